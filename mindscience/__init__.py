@@ -1,0 +1,1 @@
+"""MindScience namespace: only ``mindscience.distributed`` lives in this distribution."""

@@ -1,0 +1,334 @@
+"""Runtime communication groups for tensor, context, data and pipeline parallelism.
+
+The groups come from the same :class:`~mindscience.distributed.topology.Layout` that
+``msdist plan`` prints, so the member ranks created here are exactly the planned ones.
+
+Typical use, in every rank of an ``msrun`` job::
+
+    from mindspore.communication import init
+    from mindscience.distributed import manager
+
+    init()
+    manager.initialize_parallel(tensor_parallel_size=2, context_parallel_size=2)
+    tp = manager.get_tensor_parallel_group()   # ParallelGroup(key="tp", ranks=(0, 1), ...)
+
+Example, 8 ranks, tp=2, pp=2, order tp-cp-dp-pp, seen from global rank 5:
+tp group (4, 5) rank 1; dp group (5, 7) rank 0; pp group (1, 5) rank 1, so rank 5 is
+the last pipeline stage, its previous stage is rank 1 and its next (ring) is rank 1.
+
+Backend communicators are created only for groups of size > 1, once per distinct set
+of member ranks (``dp-cp`` reuses ``dp``'s communicator when cp == 1). Their names are
+``msd<generation>-<axes>-<group index>`` (at most ~30 characters at any world size),
+where the generation counts initializations in this process, so that
+``destroy_parallel()`` followed by ``initialize_parallel(...)`` with other sizes never
+reuses a name that MindSpore already bound to other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .group import ParallelGroup
+from .topology import DEFAULT_ORDER, Layout, LayoutError, parse_axis_key
+
+STANDARD_KEYS = ("tp", "cp", "dp", "pp", "dp-cp")
+
+
+class ParallelInitError(RuntimeError, ValueError):
+    """``initialize_parallel`` was called with values that cannot form a layout.
+
+    It is a RuntimeError (as the upstream API raises) and a ValueError (as the
+    topology raises for the same values).
+    """
+
+
+class ParallelNotInitializedError(RuntimeError):
+    """A getter was called before ``initialize_parallel``."""
+
+
+@dataclass
+class _ParallelState:
+    layout: Layout
+    rank: int
+    generation: int
+    groups: dict = field(default_factory=dict)  # key as given -> ParallelGroup
+    backend_names: dict = field(default_factory=dict)  # effective axes -> backend name
+
+
+_STATE: _ParallelState | None = None
+_GENERATION = 0
+
+
+def _communication_initialized() -> bool:
+    # Checked before anything touches a collective: a collective before
+    # mindspore.communication.init() segfaults the process on CPU.
+    from mindspore.communication import _comm_helper
+
+    try:
+        return bool(_comm_helper._is_initialized())
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+
+
+def _world() -> tuple[int, int]:
+    from mindspore.communication import get_group_size, get_rank
+
+    return get_rank(), get_group_size()
+
+
+def _create_backend_group(name: str, ranks: list[int]) -> None:
+    from mindspore.communication import create_group
+
+    create_group(name, ranks)
+
+
+def initialize_parallel(
+    tensor_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    order: str = DEFAULT_ORDER,
+) -> Layout:
+    """Create the tp, cp, dp, pp and dp-cp groups of this process.
+
+    Call it in every rank after ``mindspore.communication.init()``. The data-parallel
+    size is ``world_size // (tp * cp * pp)``.
+
+    Args:
+        tensor_parallel_size: tp size.
+        context_parallel_size: cp (sequence) size.
+        pipeline_parallel_size: pp size; pipeline groups are really created.
+        order: The four axes joined by ``-``, first varying fastest.
+
+    Returns:
+        The :class:`Layout` in force (the same object ``msdist plan`` works on).
+
+    Raises:
+        RuntimeError: communication not initialized, already initialized, or (as
+            :class:`ParallelInitError`) sizes or order that do not fit the world.
+    """
+    global _STATE, _GENERATION
+    if _STATE is not None:
+        raise RuntimeError(
+            "initialize_parallel() was already called in this process "
+            f"(layout {_describe(_STATE.layout)}). Call destroy_parallel() first to "
+            "build groups for another layout."
+        )
+    if not _communication_initialized():
+        raise RuntimeError(
+            "MindSpore communication is not initialized: call "
+            "mindspore.communication.init() (in a job started with msrun) before "
+            "initialize_parallel()."
+        )
+    rank, world = _world()
+    try:
+        layout = Layout(
+            world_size=world,
+            tp=tensor_parallel_size,
+            cp=context_parallel_size,
+            pp=pipeline_parallel_size,
+            order=order,
+        )
+    except LayoutError as err:
+        raise ParallelInitError(f"initialize_parallel: {err}") from None
+    _GENERATION += 1
+    state = _ParallelState(layout=layout, rank=rank, generation=_GENERATION)
+    _STATE = state
+    try:
+        for key in STANDARD_KEYS:
+            _build_group(state, key)
+    except BaseException:
+        _STATE = None
+        raise
+    return layout
+
+
+def _build_group(state: _ParallelState, key: str) -> ParallelGroup:
+    layout = state.layout
+    members = layout.group_of(state.rank, key)
+    backend_name = None
+    if len(members) > 1:
+        effective = layout.effective_axes(key)
+        backend_name = state.backend_names.get(effective)
+        if backend_name is None:
+            eff_key = "-".join(effective)
+            backend_name = f"msd{state.generation}-{eff_key}-{layout.group_index(state.rank, eff_key)}"
+            _create_backend_group(backend_name, members)
+            state.backend_names[effective] = backend_name
+    group = ParallelGroup(
+        key=key,
+        ranks=tuple(members),
+        rank=layout.group_rank(state.rank, key),
+        backend_name=backend_name,
+    )
+    state.groups[key] = group
+    return group
+
+
+def _describe(layout: Layout) -> str:
+    return (
+        f"tp={layout.tp} cp={layout.cp} dp={layout.dp} pp={layout.pp} "
+        f"order={'-'.join(layout.axes)} world={layout.world_size}"
+    )
+
+
+def _state() -> _ParallelState:
+    if _STATE is None:
+        raise ParallelNotInitializedError(
+            "parallel groups are not initialized: call "
+            "mindscience.distributed.manager.initialize_parallel(...) first (after "
+            "mindspore.communication.init())."
+        )
+    return _STATE
+
+
+def is_initialized() -> bool:
+    """True between ``initialize_parallel`` and ``destroy_parallel``."""
+    return _STATE is not None
+
+
+def destroy_parallel() -> None:
+    """Forget the current groups so that ``initialize_parallel`` may run again.
+
+    The backend communicators stay alive (MindSpore on CPU cannot destroy groups
+    safely); the next initialization uses new names, so nothing collides.
+    Calling it when not initialized does nothing.
+    """
+    global _STATE
+    _STATE = None
+
+
+def get_layout() -> Layout:
+    """The layout passed to ``initialize_parallel``."""
+    return _state().layout
+
+
+def get_group(key: str) -> ParallelGroup:
+    """This process's group for any axis combination, e.g. ``"tp-cp"`` or ``"tp-dp-cp"``.
+
+    Groups beyond tp, cp, dp, pp and dp-cp are created on first use: like any group
+    creation this is collective, so every rank must ask for the same keys in the
+    same order.
+
+    Raises:
+        RuntimeError: not initialized.
+        ValueError: unknown or repeated axis in ``key``.
+    """
+    state = _state()
+    group = state.groups.get(key)
+    if group is None:
+        parse_axis_key(key)
+        group = _build_group(state, key)
+    return group
+
+
+def created_group_names() -> list[str]:
+    """Backend communicators created by the current initialization (size > 1 only)."""
+    return list(_state().backend_names.values())
+
+
+def get_created_group_count() -> int:
+    """How many backend communicators the current initialization created."""
+    return len(_state().backend_names)
+
+
+# ------------------------------------------------------------- upstream getters
+def get_tensor_parallel_group() -> ParallelGroup:
+    return get_group("tp")
+
+
+def get_context_parallel_group() -> ParallelGroup:
+    return get_group("cp")
+
+
+def get_data_parallel_group() -> ParallelGroup:
+    return get_group("dp")
+
+
+def get_data_context_parallel_group() -> ParallelGroup:
+    return get_group("dp-cp")
+
+
+def get_pipeline_parallel_group() -> ParallelGroup:
+    return get_group("pp")
+
+
+def get_tensor_parallel_group_name() -> str:
+    """Backend name of the tp group; RuntimeError when tp == 1 (no communicator)."""
+    return get_group("tp").group_name
+
+
+def get_context_parallel_group_name() -> str:
+    return get_group("cp").group_name
+
+
+def get_data_parallel_group_name() -> str:
+    return get_group("dp").group_name
+
+
+def get_data_context_parallel_group_name() -> str:
+    return get_group("dp-cp").group_name
+
+
+def get_pipeline_parallel_group_name() -> str:
+    return get_group("pp").group_name
+
+
+def get_tensor_parallel_rank() -> int:
+    return get_group("tp").rank
+
+
+def get_context_parallel_rank() -> int:
+    return get_group("cp").rank
+
+
+def get_data_parallel_rank() -> int:
+    return get_group("dp").rank
+
+
+def get_data_context_parallel_rank() -> int:
+    return get_group("dp-cp").rank
+
+
+def get_pipeline_parallel_rank() -> int:
+    return get_group("pp").rank
+
+
+def get_tensor_parallel_world_size() -> int:
+    return get_group("tp").size
+
+
+def get_context_parallel_world_size() -> int:
+    return get_group("cp").size
+
+
+def get_data_parallel_world_size() -> int:
+    return get_group("dp").size
+
+
+def get_data_context_parallel_world_size() -> int:
+    return get_group("dp-cp").size
+
+
+def get_pipeline_parallel_world_size() -> int:
+    return get_group("pp").size
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_group("pp").rank == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    group = get_group("pp")
+    return group.rank == group.size - 1
+
+
+def get_pipeline_parallel_next_rank() -> int:
+    """Global rank of the next pipeline stage (the last stage wraps to the first)."""
+    group = get_group("pp")
+    return group.ranks[(group.rank + 1) % group.size]
+
+
+def get_pipeline_parallel_prev_rank() -> int:
+    """Global rank of the previous pipeline stage (the first stage wraps to the last)."""
+    group = get_group("pp")
+    return group.ranks[(group.rank - 1) % group.size]

@@ -1,0 +1,1 @@
+"""``msdist``: plan and verify parallel layouts of distributed MindSpore training."""

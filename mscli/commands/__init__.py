@@ -1,0 +1,1 @@
+"""One module per ``msdist`` command: each computes plain data and hands it to ``mscli.render``."""

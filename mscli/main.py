@@ -1,0 +1,65 @@
+"""The ``msdist`` command line: ``plan`` (no device needed), ``verify`` and ``layouts``.
+
+Heavy imports (MindSpore, the launcher) happen inside the commands that need them, so
+``msdist plan`` starts fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from .commands.plan import plan
+
+app = typer.Typer(
+    name="msdist",
+    help="Plan, build and validate parallel layouts (tp/cp/dp/pp) of distributed MindSpore training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+app.command("plan")(plan)
+
+
+@app.command("layouts")
+def layouts_command(
+    fmt: str = typer.Option("rich", "--format", "-f", help="rich or json."),
+) -> None:
+    """List the layouts bundled in layouts/."""
+    from . import render
+    from .errors import UsageError, user_errors
+    from .layouts import bundled_layouts
+    from mindscience.distributed.topology import load_layout
+
+    with user_errors():
+        if fmt not in ("rich", "json"):
+            raise UsageError(f"--format {fmt!r} is invalid: expected 'rich' or 'json'.")
+        rows = []
+        for name, path in bundled_layouts().items():
+            layout = load_layout(path)
+            rows.append({**layout.to_dict(), "name": name, "nodes": layout.num_nodes, "file": str(path)})
+    if fmt == "json":
+        render.print_json(rows)
+    else:
+        render.render_layout_list(rows)
+
+
+def _register_verify() -> None:
+    try:
+        from .commands.verify import verify
+    except ModuleNotFoundError as err:  # verify is optional until it lands
+        if err.name != "mscli.commands.verify":
+            raise
+        return
+    app.command("verify")(verify)
+
+
+_register_verify()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Rendering of ``msdist`` results: Rich for people, JSON for scripts.
+
+Commands compute plain data (dicts) and call one function here. Diagnostics go to
+stderr so that ``--format json`` leaves stdout holding the JSON alone.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+AXES = ("tp", "cp", "dp", "pp")
+# Rows shown at each end of a large rank table, and groups at each end of a listing.
+HEAD_ROWS = 8
+HEAD_GROUPS = 4
+
+
+def stdout_console(record: bool = False, echo: bool = True) -> Console:
+    """The console for results; with ``echo=False`` it only records (for --svg)."""
+    file = None if echo else io.StringIO()
+    return Console(record=record, highlight=False, soft_wrap=False, file=file)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def print_json(data) -> None:
+    sys.stdout.write(json.dumps(data))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def warn(messages) -> None:
+    console = stderr_console()
+    for message in messages:
+        console.print(Text("warning: ", style="bold yellow") + Text(message))
+
+
+def _mib(mb: float) -> str:
+    return f"{mb / 1024:.1f} GB" if mb >= 1024 else f"{mb:.0f} MB"
+
+
+# ------------------------------------------------------------------ plan
+def plan_summary(plan: dict, source: str | None = None) -> Panel:
+    sizes = plan["sizes"]
+    comms = plan["communicators"]
+    lines = Table.grid(padding=(0, 2))
+    lines.add_column(style="bold")
+    lines.add_column()
+    if plan.get("name"):
+        lines.add_row("layout", str(plan["name"]) + (f"  ({source})" if source else ""))
+    elif source:
+        lines.add_row("layout", source)
+    lines.add_row(
+        "world",
+        f"{plan['world_size']} ranks = {plan['nodes']} node(s) x {plan['devices_per_node']} devices"
+        f"   backend {plan['backend']}",
+    )
+    lines.add_row("sizes", "  ".join(f"{a}={sizes[a]}" for a in AXES))
+    lines.add_row("order", f"{plan['order']}  (first axis varies fastest)")
+    groups = plan["groups"]
+    lines.add_row(
+        "groups",
+        "  ".join(
+            f"{key}: {len(g)} x {len(g[0])}" + (" [cross-node]" if plan["cross_node"].get(key) else "")
+            for key, g in groups.items()
+        ),
+    )
+    lines.add_row(
+        "communicators",
+        f"{comms['per_rank']} per rank ({', '.join(comms['groups']) or 'none'}); "
+        f"HCCL buffers ~{_mib(comms['buffer_mb_per_rank'])} per rank "
+        f"(2 x HCCL_BUFFSIZE={comms['hccl_buffsize_mb']} MB each)",
+    )
+    return Panel(lines, title="msdist plan", title_align="left", expand=False)
+
+
+def _group_index_maps(plan: dict, rows) -> dict:
+    # rank -> group index for each key, only for the ranks shown.
+    wanted = {row["rank"] for row in rows}
+    maps = {}
+    for key, key_groups in plan["groups"].items():
+        index = {}
+        for i, members in enumerate(key_groups):
+            for r in members:
+                if r in wanted:
+                    index[r] = i
+        maps[key] = index
+    return maps
+
+
+def _elided(items: list, head: int, show_all: bool):
+    """(first items, number hidden, last items) for a long list."""
+    if show_all or len(items) <= 2 * head + 1:
+        return items, 0, []
+    return items[:head], len(items) - 2 * head, items[-head:]
+
+
+def rank_table(plan: dict, show_all: bool) -> Table:
+    first, hidden, last = _elided(plan["ranks"], HEAD_ROWS, show_all)
+    maps = _group_index_maps(plan, first + last)
+    keys = list(plan["groups"])
+    table = Table(title="ranks", title_justify="left", show_edge=False, pad_edge=False)
+    for column in ("rank", "node", "local", *AXES):
+        table.add_column(column, justify="right", no_wrap=True)
+    for key in keys:
+        table.add_column(f"#{key}", justify="right", style="cyan", no_wrap=True)
+    table.caption = "#key = index of the rank's group in the listing below"
+
+    def add(row):
+        table.add_row(
+            str(row["rank"]),
+            str(row["node"]),
+            str(row["local_rank"]),
+            *(str(row[a]) for a in AXES),
+            *(str(maps[key][row["rank"]]) for key in keys),
+        )
+
+    for row in first:
+        add(row)
+    if hidden:
+        table.add_row("...", *["..."] * (6 + len(keys)), style="dim")
+        table.caption = f"{hidden} more ranks not shown (use --all); " + table.caption
+    for row in last:
+        add(row)
+    return table
+
+
+def _ranks_text(members: list[int]) -> str:
+    if len(members) <= 16:
+        return "[" + ", ".join(map(str, members)) + "]"
+    step = members[1] - members[0]
+    if all(b - a == step for a, b in zip(members, members[1:])):
+        return f"[{members[0]}, {members[1]}, ..., {members[-1]}] ({len(members)} ranks, stride {step})"
+    return "[" + ", ".join(map(str, members[:8])) + f", ... {members[-1]}] ({len(members)} ranks)"
+
+
+def group_listing(plan: dict, show_all: bool) -> Table:
+    table = Table(title="groups", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("axis", style="bold")
+    table.add_column("group", justify="right")
+    table.add_column("ranks (by group rank)")
+    table.add_column("")
+    for key, key_groups in plan["groups"].items():
+        crossing = set(plan["cross_node"].get(key, ()))
+        indexed = list(enumerate(key_groups))
+        first, hidden, last = _elided(indexed, HEAD_GROUPS, show_all)
+        for i, members in first:
+            mark = Text("crosses nodes", style="yellow") if i in crossing else ""
+            table.add_row(key, str(i), _ranks_text(members), mark)
+        if hidden:
+            table.add_row(key, "...", f"{hidden} more groups (use --all)", "", style="dim")
+        for i, members in last:
+            mark = Text("crosses nodes", style="yellow") if i in crossing else ""
+            table.add_row(key, str(i), _ranks_text(members), mark)
+        table.add_section()
+    return table
+
+
+def render_plan(plan: dict, source: str | None, show_all: bool, svg: str | None, echo: bool = True) -> None:
+    if not (echo or svg):
+        warn(plan["warnings"])
+        return
+    console = stdout_console(record=bool(svg), echo=echo)
+    console.print(plan_summary(plan, source))
+    console.print(rank_table(plan, show_all))
+    console.print()
+    console.print(group_listing(plan, show_all))
+    if svg:
+        console.save_svg(svg, title="msdist plan")
+    warn(plan["warnings"])
+
+
+def render_rank(view: dict, svg: str | None, echo: bool = True) -> None:
+    if not (echo or svg):
+        warn(view["warnings"])
+        return
+    console = stdout_console(record=bool(svg), echo=echo)
+    coords = view["coords"]
+    head = Text.assemble(
+        ("rank ", "bold"),
+        (str(view["rank"]), "bold cyan"),
+        f"  node {view['node']}  local rank {view['local_rank']}  ",
+        "  ".join(f"{a}={coords[a]}" for a in AXES),
+        f"   (world {view['world_size']}, order {view['order']})",
+    )
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("group", style="bold")
+    table.add_column("index", justify="right")
+    table.add_column("rank in group", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("members (by group rank)")
+    table.add_column("")
+    for key, group in view["groups"].items():
+        table.add_row(
+            key,
+            str(group["index"]),
+            str(group["group_rank"]),
+            str(group["size"]),
+            _ranks_text(group["ranks"]),
+            Text("crosses nodes", style="yellow") if group["cross_node"] else "",
+        )
+    comms = view["communicators"]
+    foot = Text(
+        f"joins {comms['per_rank']} communicator(s); HCCL buffers ~{_mib(comms['buffer_mb_per_rank'])}"
+    )
+    console.print(Panel(Group(head, table, foot), title="msdist plan --rank", title_align="left", expand=False))
+    if svg:
+        console.save_svg(svg, title=f"msdist plan --rank {view['rank']}")
+    warn(view["warnings"])
+
+
+def render_layout_list(rows: list[dict]) -> None:
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("name", "world", "nodes", "tp", "cp", "dp", "pp", "order", "backend", "file"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(row[c]) for c in ("name", "world_size", "nodes", "tp", "cp", "dp", "pp", "order", "backend", "file")))
+    stdout_console().print(table)

@@ -1,0 +1,211 @@
+"""``msdist plan`` and ``msdist layouts`` through typer's CliRunner, and the layout files."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mindscience.distributed.topology import Layout, LayoutFileError, load_layout
+from mscli.layouts import bundled_layouts
+from mscli.main import app
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def invoke(*args):
+    return runner.invoke(app, list(args))
+
+
+def write(tmp_path, text, name="layout.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# ------------------------------------------------------------------ bundled layouts
+def test_bundled_layouts_cover_the_required_shapes():
+    layouts = {name: load_layout(path) for name, path in bundled_layouts().items()}
+    default = layouts["cpu-4"]
+    assert (default.world_size, default.backend) == (4, "cpu")
+    assert any(l.world_size == 8 and l.num_nodes == 1 for l in layouts.values())
+    big = layouts["ascend-64"]
+    assert (big.world_size, big.num_nodes, big.backend) == (64, 8, "ascend")
+    assert min(big.tp, big.cp, big.dp, big.pp) > 1
+    assert any(l.world_size == 65536 for l in layouts.values())
+
+
+def test_default_plan_table():
+    result = invoke("plan")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "cpu-4" in out and "tp=2  cp=2  dp=1  pp=1" in out
+    assert "tp-cp-dp-pp" in out
+    # The groups section lists the real members.
+    assert "[0, 1]" in out and "[2, 3]" in out and "[0, 2]" in out and "[1, 3]" in out
+    assert "2 per rank (tp, cp)" in out
+    assert "800 MB per rank" in out
+
+
+def test_plan_json_schema_and_values():
+    result = invoke("plan", "ascend-64", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["world_size"] == 64
+    assert data["order"] == "tp-cp-dp-pp"
+    assert data["sizes"] == {"tp": 4, "cp": 2, "dp": 4, "pp": 2}
+    assert data["devices_per_node"] == 8
+    assert set(data["groups"]) >= {"tp", "cp", "dp", "pp", "dp-cp"}
+    layout = Layout(world_size=64, tp=4, cp=2, pp=2, devices_per_node=8)
+    for key, groups in data["groups"].items():
+        assert groups == layout.groups(key)
+    assert data["groups"]["tp"][0] == [0, 1, 2, 3]
+    assert data["groups"]["cp"][0] == [0, 4]
+    assert data["groups"]["dp"][0] == [0, 8, 16, 24]
+    assert data["groups"]["pp"][0] == [0, 32]
+    assert len(data["ranks"]) == 64
+    assert data["ranks"][37] == {"rank": 37, "node": 4, "local_rank": 5, "tp": 1, "cp": 1, "dp": 0, "pp": 1}
+    # Five distinct communicators at 400 MB each.
+    assert data["communicators"]["per_rank"] == 5
+    assert data["communicators"]["buffer_mb_per_rank"] == 2000
+    assert data["warnings"] == []
+
+
+def test_plan_json_extra_groups():
+    result = invoke("plan", "cpu-4", "--format", "json", "--groups", "tp-cp,tp-dp-cp")
+    data = json.loads(result.stdout)
+    assert data["groups"]["tp-cp"] == [[0, 1, 2, 3]]
+    assert data["groups"]["tp-dp-cp"] == [[0, 1, 2, 3]]
+
+
+def test_plan_rank_view():
+    result = invoke("plan", "cpu-8-pp2", "--rank", "5")
+    assert result.exit_code == 0
+    out = result.stdout
+    assert "rank 5" in out and "tp=1" in out and "pp=1" in out
+    assert "[4, 5]" in out and "[5, 7]" in out and "[1, 5]" in out
+
+    data = json.loads(invoke("plan", "cpu-8-pp2", "--rank", "5", "--format", "json").stdout)
+    assert data["coords"] == {"tp": 1, "cp": 0, "dp": 0, "pp": 1}
+    assert data["groups"]["pp"] == {"index": 1, "group_rank": 1, "size": 2, "ranks": [1, 5], "cross_node": False}
+    assert data["groups"]["dp"]["ranks"] == [5, 7]
+
+
+def test_cross_node_marks_and_warnings():
+    result = invoke("plan", "ascend-64-tp-across-nodes")
+    assert result.exit_code == 0
+    assert "crosses nodes" in result.stdout
+    assert "tp groups cross node boundaries" in result.stderr
+    assert "cp groups cross node boundaries" in result.stderr
+    data = json.loads(invoke("plan", "ascend-64-tp-across-nodes", "--format", "json").stdout)
+    assert len(data["cross_node"]["tp"]) == 16
+    assert any("tp groups cross" in w for w in data["warnings"])
+
+
+def test_large_world_is_summarized_unless_all():
+    result = invoke("plan", "ascend-65536")
+    assert result.exit_code == 0
+    assert "65520 more ranks not shown (use --all)" in result.stdout
+    assert "65535" in result.stdout  # the last row is shown
+    small = invoke("plan", "ascend-64")
+    assert "more ranks" in small.stdout
+    full = invoke("plan", "ascend-64", "--all")
+    assert "more ranks" not in full.stdout and "more groups" not in full.stdout
+    assert "[60, 61, 62, 63]" in full.stdout
+
+
+def test_svg_export(tmp_path):
+    target = tmp_path / "plan.svg"
+    result = invoke("plan", "--svg", str(target))
+    assert result.exit_code == 0
+    svg = target.read_text()
+    assert svg.startswith("<svg") and "msdist" in svg and "cpu-4" in svg
+    target2 = tmp_path / "rank.svg"
+    result = invoke("plan", "--rank", "2", "--format", "json", "--svg", str(target2))
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["rank"] == 2  # stdout stays pure JSON
+    assert target2.read_text().startswith("<svg")
+
+
+def test_layouts_command_lists_bundled():
+    result = invoke("layouts", "--format", "json")
+    rows = json.loads(result.stdout)
+    assert {"cpu-4", "ascend-64", "ascend-65536"} <= {r["name"] for r in rows}
+
+
+def test_layout_path_and_explicit_file(tmp_path):
+    path = write(tmp_path, "world_size: 8\ntp: 2\npp: 2\n")
+    data = json.loads(invoke("plan", path, "--format", "json").stdout)
+    assert data["sizes"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 2}
+    assert data["devices_per_node"] == 8 and data["order"] == "tp-cp-dp-pp"
+
+
+# ------------------------------------------------------------------ error paths
+def assert_bad_input(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("msdist: error: ")
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "text,fragments",
+    [
+        ("world_size: 8\ntp: 2\nfoo: 1\n", ["unknown key 'foo'"]),
+        ("world_size: 8\ntp: two\n", ["key 'tp'", "expected an integer"]),
+        ("world_size: 8\ntp: 2.5\n", ["key 'tp'"]),
+        ("world_size: 8\norder: [tp, cp]\n", ["key 'order'"]),
+        ("world_size: 8\ntp: [1\n", ["malformed YAML", "line"]),
+        ("- 1\n- 2\n", ["expected a mapping"]),
+        ("", ["empty"]),
+        ("tp: 2\n", ["'world_size' is missing"]),
+        ("world_size: 8\ntp: 3\n", ["does not divide world_size=8"]),
+        ("world_size: 8\ntp: 2\ndp: 3\n", ["dp=3 disagrees"]),
+        ("world_size: 8\norder: tp-cp-dp\n", ["missing axis 'pp'"]),
+        ("world_size: 8\norder: tp-cp-dp-xp\n", ["unknown axis 'xp'"]),
+        ("world_size: 8\ndevices_per_node: 3\n", ["devices_per_node=3"]),
+        ("world_size: 8\nbackend: tpu\n", ["backend='tpu'"]),
+        ("world_size: 0\n", ["world_size=0"]),
+    ],
+)
+def test_layout_file_errors_name_file_and_key(tmp_path, text, fragments):
+    path = write(tmp_path, text)
+    assert_bad_input(invoke("plan", path), path, *fragments)
+    assert_bad_input(invoke("plan", path, "--format", "json"), path, *fragments)
+    with pytest.raises(LayoutFileError):
+        load_layout(path)
+
+
+def test_missing_file():
+    assert_bad_input(invoke("plan", "no/such/layout.yaml"), "no/such/layout.yaml", "cpu-4")
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--rank", "4"], "rank 4 is outside the world"),
+        (["--rank", "-1"], "rank -1 is outside the world"),
+        (["--groups", "tp-xp"], "unknown axis 'xp'"),
+        (["--groups", "tp-tp"], "repeats an axis"),
+        (["--format", "yaml"], "--format 'yaml' is invalid"),
+        (["--hccl-buffsize", "0"], "--hccl-buffsize 0"),
+        (["--svg", "/no/such/dir/x.svg"], "does not exist"),
+    ],
+)
+def test_option_errors(args, fragment):
+    assert_bad_input(invoke("plan", *args), fragment)
+
+
+def test_bad_hccl_buffsize_env():
+    result = runner.invoke(app, ["plan"], env={"HCCL_BUFFSIZE": "lots"})
+    assert_bad_input(result, "HCCL_BUFFSIZE='lots'")
+
+
+def test_hccl_buffsize_env_changes_estimate():
+    result = runner.invoke(app, ["plan", "--format", "json"], env={"HCCL_BUFFSIZE": "100"})
+    assert json.loads(result.stdout)["communicators"]["buffer_mb_per_rank"] == 400

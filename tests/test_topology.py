@@ -1,0 +1,219 @@
+"""Topology core: validation, rank arithmetic, and a brute-force cross-check of groups."""
+
+import itertools
+import subprocess
+import sys
+
+import pytest
+
+from mindscience.distributed.topology import (
+    AXES,
+    Layout,
+    LayoutError,
+    parse_axis_key,
+    parse_order,
+)
+
+ALL_KEYS = ["-".join(c) for n in range(1, 5) for c in itertools.combinations(AXES, n)]
+ALL_ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
+
+
+def brute_force_groups(sizes: dict, order: str, key: str) -> list[list[int]]:
+    """Groups by exhaustive enumeration, written independently of Layout.
+
+    Walks every coordinate tuple with the LAST axis of `order` slowest (itertools.product
+    over the reversed order), numbering ranks 0, 1, 2, ...; then buckets ranks by their
+    coordinates outside `key` and sorts buckets and members lexicographically on the
+    reversed-order coordinates (slowest first), i.e. the first axis varies fastest.
+    """
+    axes = order.split("-")
+    slow_first = list(reversed(axes))
+    inside = set(key.split("-"))
+    buckets = {}
+    for rank, coord in enumerate(itertools.product(*(range(sizes[a]) for a in slow_first))):
+        named = dict(zip(slow_first, coord))
+        outer = tuple(named[a] for a in slow_first if a not in inside)
+        inner = tuple(named[a] for a in slow_first if a in inside)
+        buckets.setdefault(outer, []).append((inner, rank))
+    return [[r for _, r in sorted(members)] for _, members in sorted(buckets.items())]
+
+
+def factorizations(world: int, limit: int):
+    """(tp, cp, pp) triples dividing world, at most `limit` of them, spread out."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    triples = [
+        (tp, cp, pp)
+        for tp in divisors
+        for cp in divisors
+        for pp in divisors
+        if world % (tp * cp * pp) == 0
+    ]
+    step = max(1, len(triples) // limit)
+    return triples[::step]
+
+
+# --------------------------------------------------------------------------- groups
+@pytest.mark.parametrize("world", [1, 2, 4, 6, 8, 12, 16, 24, 64])
+def test_groups_match_brute_force_every_order_and_key_small_worlds(world):
+    for tp, cp, pp in factorizations(world, 12):
+        for order in ALL_ORDERS:
+            layout = Layout(world_size=world, tp=tp, cp=cp, pp=pp, order=order)
+            for key in ALL_KEYS:
+                assert layout.groups(key) == brute_force_groups(layout.sizes, order, key), (
+                    world, tp, cp, pp, order, key)
+
+
+@pytest.mark.parametrize(
+    "world,tp,cp,pp,order",
+    [
+        (10752, 8, 2, 4, "tp-cp-dp-pp"),  # Megatron's largest golden world
+        (10752, 4, 4, 8, "tp-cp-pp-dp"),
+        (10752, 2, 8, 3, "cp-tp-dp-pp"),
+        (12288, 8, 4, 16, "pp-dp-cp-tp"),
+        (16384, 8, 2, 16, "tp-dp-cp-pp"),
+    ],
+)
+def test_groups_match_brute_force_large_worlds(world, tp, cp, pp, order):
+    layout = Layout(world_size=world, tp=tp, cp=cp, pp=pp, order=order)
+    for key in ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-dp-cp", "tp-cp-dp-pp"):
+        assert layout.groups(key) == brute_force_groups(layout.sizes, order, key), key
+
+
+def test_groups_partition_the_world_and_are_orthogonal():
+    layout = Layout(world_size=64, tp=4, cp=2, pp=2, order="cp-tp-pp-dp")
+    for key in ALL_KEYS:
+        flat = sorted(r for g in layout.groups(key) for r in g)
+        assert flat == list(range(64))
+    # A tp group and a dp group share exactly one rank when they meet.
+    tp_groups = [set(g) for g in layout.groups("tp")]
+    dp_groups = [set(g) for g in layout.groups("dp")]
+    assert all(len(a & b) <= 1 for a in tp_groups for b in dp_groups)
+
+
+def test_key_spelling_does_not_change_groups():
+    layout = Layout(world_size=16, tp=2, cp=2, pp=2)
+    assert layout.groups("dp-cp") == layout.groups("cp-dp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+
+
+def test_documented_example_eight_ranks():
+    layout = Layout(world_size=8, tp=2, pp=2)
+    assert layout.dp == 2
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "pp": 1}
+
+
+def test_group_of_rank_index_agree_with_groups_everywhere():
+    layout = Layout(world_size=48, tp=2, cp=3, pp=2, order="dp-tp-pp-cp", devices_per_node=8)
+    for key in ALL_KEYS:
+        groups = layout.groups(key)
+        for rank in range(48):
+            idx = layout.group_index(rank, key)
+            assert layout.group_of(rank, key) == groups[idx]
+            assert groups[idx][layout.group_rank(rank, key)] == rank
+
+
+def test_coords_round_trip_node_and_local_rank():
+    layout = Layout(world_size=64, tp=4, cp=2, pp=2, devices_per_node=8, order="pp-tp-dp-cp")
+    for rank in range(64):
+        assert layout.rank_of(**layout.coords(rank)) == rank
+        assert layout.node_of(rank) == rank // 8
+        assert layout.local_rank_of(rank) == rank % 8
+    assert layout.num_nodes == 8
+
+
+def test_crossing_groups_differ_within_one_key():
+    layout = Layout(world_size=6, tp=2, devices_per_node=3)
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5]]
+    assert layout.crossing_groups("tp") == [1]
+
+
+def test_effective_axes_drop_size_one_axes():
+    layout = Layout(world_size=8, tp=2, cp=1, pp=2)
+    assert layout.effective_axes("dp-cp") == ("dp",)
+    assert layout.effective_axes("cp") == ()
+    assert layout.size("tp-dp") == 4
+
+
+def test_dp_derived_or_checked_and_world_from_dp():
+    assert Layout(world_size=16, tp=2, cp=2).dp == 4
+    assert Layout(world_size=16, tp=2, cp=2, dp=4).dp == 4
+    assert Layout(tp=2, dp=3).world_size == 6
+
+
+# ------------------------------------------------------------------ validation
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"world_size": 8, "tp": 0}, "tp=0 is invalid"),
+        ({"world_size": 8, "cp": -2}, "cp=-2 is invalid"),
+        ({"world_size": 8, "tp": 2.0}, "expected a positive integer, got float"),
+        ({"world_size": 8, "pp": True}, "got bool"),
+        ({"world_size": "8"}, "world_size='8' is invalid"),
+        ({"world_size": 0}, "world_size=0 is invalid"),
+        ({"world_size": 8, "tp": 3}, "does not divide world_size=8"),
+        ({"world_size": 8, "tp": 2, "dp": 2}, "dp=2 disagrees with world_size=8"),
+        ({"world_size": 8, "dp": 0}, "dp=0 is invalid"),
+        ({}, "world_size is missing"),
+        ({"world_size": 8, "devices_per_node": 3}, "devices_per_node=3 does not divide world_size=8"),
+        ({"world_size": 8, "devices_per_node": 0}, "devices_per_node=0 is invalid"),
+        ({"world_size": 8, "order": "tp-cp-dp"}, "missing axis 'pp'"),
+        ({"world_size": 8, "order": "tp-cp-dp-pp-ep"}, "unknown axis 'ep'"),
+        ({"world_size": 8, "order": "tp-tp-dp-pp"}, "repeats axis 'tp'"),
+        ({"world_size": 8, "order": 5}, "expected a string"),
+        ({"world_size": 8, "backend": "tpu"}, "backend='tpu' is invalid"),
+    ],
+)
+def test_invalid_layouts_raise_one_clear_error(kwargs, fragment):
+    with pytest.raises(LayoutError) as info:
+        Layout(**kwargs)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_errors_say_how_to_fix():
+    with pytest.raises(LayoutError, match="Set dp=4 or remove dp"):
+        Layout(world_size=16, tp=2, cp=2, dp=2)
+
+
+@pytest.mark.parametrize("key", ["", "tp-", "xp", "tp-tp", "dp--cp", None])
+def test_bad_axis_keys(key):
+    with pytest.raises(LayoutError):
+        parse_axis_key(key)
+    with pytest.raises(LayoutError):
+        Layout(world_size=4, tp=2).groups(key)
+
+
+def test_parse_order_returns_axes():
+    assert parse_order("pp-dp-cp-tp") == ("pp", "dp", "cp", "tp")
+
+
+@pytest.mark.parametrize("rank", [-1, 8, 2.0, "1"])
+def test_bad_ranks(rank):
+    with pytest.raises(LayoutError, match="outside the world"):
+        Layout(world_size=8).coords(rank)
+
+
+def test_rank_of_rejects_out_of_range_coordinate():
+    with pytest.raises(LayoutError, match="tp coordinate 2 is out of range"):
+        Layout(world_size=8, tp=2).rank_of(tp=2)
+
+
+# ------------------------------------------------------------------ purity
+def test_topology_and_plan_never_import_mindspore():
+    code = (
+        "import sys\n"
+        "import mindscience.distributed.topology as t\n"
+        "import mindscience.distributed.topology.plan as p\n"
+        "import mindscience.distributed.group\n"
+        "import mscli.main\n"
+        "l = t.Layout(world_size=64, tp=4, cp=2, pp=2, devices_per_node=8)\n"
+        "p.build_plan(l)\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'mindspore']\n"
+        "assert not bad, bad\n"
+        "print('clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "clean"
