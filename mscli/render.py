@@ -224,3 +224,83 @@ def render_layout_list(rows: list[dict]) -> None:
     for row in rows:
         table.add_row(*(str(row[c]) for c in ("name", "world_size", "nodes", "tp", "cp", "dp", "pp", "order", "backend", "file")))
     stdout_console().print(table)
+
+
+# ------------------------------------------------------------------ verify
+def _human_bytes(n: int) -> str:
+    for unit, size in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def correctness_table(rows: list[dict]) -> Table:
+    table = Table(title="correctness", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("check", style="bold")
+    table.add_column("group")
+    table.add_column("result")
+    table.add_column("max error", justify="right")
+    table.add_column("failed ranks")
+    for row in rows:
+        result = Text("pass", style="green") if row["passed"] else Text("FAIL", style="bold red")
+        table.add_row(
+            row["check"], row["group"], result, f"{row['max_error']:.3g}",
+            ", ".join(map(str, row.get("failed_ranks", []))),
+        )
+    return table
+
+
+def bandwidth_table(rows: list[dict]) -> Table:
+    table = Table(title="bandwidth (time = slowest rank; busbw as nccl-tests)", title_justify="left",
+                  show_edge=False, pad_edge=False)
+    for column, justify in (("op", "left"), ("group", "left"), ("n", "right"), ("size", "right"),
+                            ("dtype", "left"), ("time us", "right"), ("algbw GB/s", "right"),
+                            ("busbw GB/s", "right"), ("#wrong", "right"), ("", "left")):
+        table.add_column(column, justify=justify)
+    for row in rows:
+        table.add_row(
+            row["op"], row["group"], str(row["group_size"]), _human_bytes(row["bytes"]), row["dtype"],
+            f"{row['time_us']:.1f}", f"{row['algbw_gbps']:.4f}", f"{row['busbw_gbps']:.4f}",
+            Text(str(row["wrong"]), style="green" if row["wrong"] == 0 else "bold red"),
+            Text("composed", style="yellow") if row["composed"] else "native",
+        )
+    return table
+
+
+def render_verify(report: dict) -> None:
+    console = stdout_console()
+    layout = report["layout"]
+    console.print(
+        Text.assemble(
+            ("msdist verify ", "bold"),
+            f"{layout.get('name') or ''}  {report['ranks']} ranks  "
+            f"tp={layout['tp']} cp={layout['cp']} dp={layout['dp']} pp={layout['pp']}  "
+            f"order {layout['order']}  backend {layout['backend']}",
+            f"  ({report['duration_s']:.1f} s)" if report.get("duration_s") else "",
+        )
+    )
+    if report["correctness"]:
+        console.print(correctness_table(report["correctness"]))
+        console.print()
+    if report["bandwidth"]:
+        console.print(bandwidth_table(report["bandwidth"]))
+        if any(r["composed"] for r in report["bandwidth"]):
+            console.print(
+                Text("composed = built from other collectives on this backend (CPU has no "
+                     "reduce-scatter/all-to-all kernel): all-reduce + slice, all-gather + select.",
+                     style="dim")
+            )
+        console.print()
+    for miss in report.get("busbw_misses", []):
+        console.print(Text(f"below --min-busbw: {miss['op']} on {miss['group']} at "
+                           f"{_human_bytes(miss['bytes'])}: {miss['busbw_gbps']:.4f} GB/s", style="bold red"))
+    err = stderr_console()
+    for failure in report["failures"]:
+        err.print(Text(f"rank {failure['rank']} failed: {failure['reason']}", style="bold red"))
+        if failure.get("log_tail"):
+            err.print(Panel(Text(failure["log_tail"]), title=f"rank {failure['rank']} log tail",
+                            title_align="left", expand=False))
+    if report.get("log_dir"):
+        err.print(Text(f"logs: {report['log_dir']}", style="dim"))
+    verdict = Text("OK: every check passed", style="bold green") if report["ok"] else Text("FAILED", style="bold red")
+    console.print(verdict)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 CHECK_MODULES = (
     "mindscience.distributed.harness.checks.basic",
+    "mindscience.distributed.harness.checks.layout",
     "mindscience.distributed.harness.checks.mappings",
     "mindscience.distributed.harness.checks.layers",
     "mindscience.distributed.harness.checks.bandwidth",

@@ -1,0 +1,201 @@
+"""Pure logic of ``msdist verify``: what the ranks run, and the report made of their results.
+
+No MindSpore import: the parent process only launches and reads JSON.
+"""
+
+from __future__ import annotations
+
+from mindscience.distributed.topology import Layout
+
+CORRECTNESS = "correctness"
+BANDWIDTH = "bandwidth"
+CHECK_KINDS = (CORRECTNESS, BANDWIDTH)
+DTYPES = ("float32", "float16", "bfloat16")
+BANDWIDTH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+BANDWIDTH_GROUPS = ("tp", "cp", "dp", "pp", "dp-cp", "world")
+MAPPING_GROUPS = ("tp", "cp", "dp", "pp", "dp-cp")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: 2(n-1)/n for all-reduce, (n-1)/n otherwise."""
+    if n <= 1:
+        return 0.0
+    return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def parse_checks(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in kinds if k not in CHECK_KINDS]
+    if bad or not kinds:
+        raise ValueError(
+            f"--checks {text!r} is invalid: expected a comma-separated subset of "
+            f"{', '.join(CHECK_KINDS)}, e.g. 'correctness,bandwidth'."
+        )
+    return kinds
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """nccl-tests' -b/-e/-f: min, min*factor, ... up to max (inclusive)."""
+    if min_bytes < 1 or max_bytes < min_bytes:
+        raise ValueError(
+            f"--min-bytes {min_bytes} / --max-bytes {max_bytes} are invalid: expected "
+            "1 <= min-bytes <= max-bytes."
+        )
+    if factor < 2:
+        raise ValueError(f"--factor {factor} is invalid: expected an integer >= 2.")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def parse_bytes(text: str) -> int:
+    """``"64K"``, ``"1M"``, ``"1048576"`` -> bytes (powers of 1024)."""
+    units = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+    raw = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = raw, ""
+    if raw and raw[-1] in "KMG":
+        number, unit = raw[:-1], raw[-1]
+    try:
+        value = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise ValueError(f"size {text!r} is invalid: expected bytes such as 1024, 64K or 16M.") from None
+    if value < 1:
+        raise ValueError(f"size {text!r} is invalid: expected at least 1 byte.")
+    return value
+
+
+def build_spec(
+    layout: Layout,
+    kinds=CHECK_KINDS,
+    sizes=(1024, 65536, 1048576),
+    iters: int = 5,
+    warmup: int = 1,
+    dtype: str = "float32",
+    fault: dict | None = None,
+) -> dict:
+    """The worker spec: named checks each rank runs, in order."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is invalid: expected one of {', '.join(DTYPES)}.")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"--iters {iters} / --warmup {warmup} are invalid: expected iters >= 1, warmup >= 0.")
+    active = [k for k in MAPPING_GROUPS if layout.size(k) > 1]
+    checks = [{"name": "layout.init", "params": {}}]
+    if fault:
+        checks.append({"name": fault["name"], "params": fault["params"]})
+    if CORRECTNESS in kinds:
+        checks.append(
+            {"name": "mappings.all", "params": {"groups": active, "dtypes": [dtype], "shapes": [[8, 4], [4, 6, 8]]}}
+        )
+        if layout.tp > 1:
+            checks.append({"name": "layers.dense_equivalence", "params": {}})
+    if BANDWIDTH in kinds:
+        checks.append(
+            {
+                "name": "bandwidth.sweep",
+                "params": {
+                    "groups": list(BANDWIDTH_GROUPS),
+                    "ops": list(BANDWIDTH_OPS),
+                    "sizes": list(sizes),
+                    "iters": iters,
+                    "warmup": warmup,
+                    "dtype": dtype,
+                },
+            }
+        )
+    return {"layout": {k: v for k, v in layout.to_dict().items()}, "checks": checks}
+
+
+def _records(ranks: dict):
+    for rank, result in sorted(ranks.items()):
+        if not result:
+            continue
+        for record in result.get("records", []):
+            yield int(rank), record
+
+
+def correctness_rows(ranks: dict) -> list[dict]:
+    """check x group rows: passed on every rank (and every dtype/shape), worst error."""
+    from mindscience.distributed.harness.launcher import merge_records
+
+    without_bandwidth = {
+        rank: {"records": [r for r in (state or {}).get("records", []) if r.get("check") != "bandwidth"]}
+        for rank, state in ranks.items()
+    }
+    return merge_records(without_bandwidth, key=("check", "group"))
+
+
+def bandwidth_rows(ranks: dict) -> list[dict]:
+    """op x group x size rows: slowest rank's time, algbw, busbw, total wrong elements."""
+    rows: dict[tuple, dict] = {}
+    for _, record in _records(ranks):
+        if record.get("check") != "bandwidth":
+            continue
+        key = (record["op"], record["group"], record["bytes"], record["dtype"])
+        row = rows.get(key)
+        if row is None:
+            rows[key] = row = {
+                "op": record["op"],
+                "group": record["group"],
+                "group_size": record["group_size"],
+                "bytes": record["bytes"],
+                "dtype": record["dtype"],
+                "time_us": 0.0,
+                "wrong": 0,
+                "composed": bool(record.get("composed")),
+            }
+        row["time_us"] = max(row["time_us"], float(record["time_us"]))
+        row["wrong"] += int(record.get("wrong", 0))
+    for row in rows.values():
+        seconds = row["time_us"] * 1e-6
+        row["algbw_gbps"] = row["bytes"] / seconds / 1e9 if seconds > 0 else 0.0
+        row["busbw_gbps"] = row["algbw_gbps"] * bus_factor(row["op"], row["group_size"])
+    return list(rows.values())
+
+
+def busbw_misses(rows: list[dict], min_busbw: float | None) -> list[dict]:
+    """Rows at the largest measured size of each op/group whose busbw is below the bar."""
+    if not min_busbw:
+        return []
+    largest: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["op"], row["group"])
+        if key not in largest or row["bytes"] > largest[key]["bytes"]:
+            largest[key] = row
+    return [r for r in largest.values() if r["busbw_gbps"] < min_busbw]
+
+
+def build_report(
+    layout: Layout,
+    ranks: dict,
+    failures: list[dict],
+    min_busbw: float | None = None,
+    duration_s: float | None = None,
+) -> dict:
+    """The verify report (the JSON printed with --format json).
+
+    ``ok`` needs every rank to have finished all its checks, every value to be right,
+    no failed rank and (with ``min_busbw``) every largest-size busbw above the bar.
+    """
+    correctness = correctness_rows(ranks)
+    bandwidth = bandwidth_rows(ranks)
+    misses = busbw_misses(bandwidth, min_busbw)
+    finished = [r for r in range(layout.world_size) if (ranks.get(r) or {}).get("status") == "done"]
+    ok = (
+        not failures
+        and len(finished) == layout.world_size
+        and all(r["passed"] for r in correctness)
+        and all(r["wrong"] == 0 for r in bandwidth)
+        and not misses
+    )
+    return {
+        "ok": ok,
+        "layout": layout.to_dict(),
+        "ranks": layout.world_size,
+        "duration_s": duration_s,
+        "correctness": correctness,
+        "bandwidth": bandwidth,
+        "busbw_misses": misses,
+        "failures": list(failures),
+    }
