@@ -1,0 +1,351 @@
+"""The nine communication mappings and the group manager, on real MindSpore ranks.
+
+Two msrun jobs for the whole file (module-scoped fixtures), each running a battery of
+named checks from ``mindscience.distributed.harness.checks.mappings``; the tests only
+read their per-rank records:
+
+* 4 ranks, tp=2 x cp=2: every mapping forward and backward on the tp and cp groups, in
+  float32/float16/bfloat16, 2-D and 3-D, against numpy on every rank; size-1 groups;
+  backend group names as strings; error paths; several layouts and orders in one process
+  through destroy_parallel/initialize_parallel, each checked against the plan.
+* 8 ranks, tp=2 x cp=2 x pp=2 (light: 8 ranks share 2 cores): every mapping in float32
+  on one 3-D shape, and plan == runtime for two more layouts.
+
+Fast single-process tests cover the numpy reference, backend selection, size-1
+identity and argument errors (no communication needed for those).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mindscience.distributed.group import ParallelGroup
+from mindscience.distributed.harness.checks import mappings as mchecks
+from mindscience.distributed.topology import Layout
+
+MAPPINGS = mchecks.MAPPING_NAMES
+DTYPES = ("float32", "float16", "bfloat16")
+
+REINIT_LAYOUTS_4 = [
+    {"tp": 4, "order": "cp-tp-dp-pp"},
+    {"tp": 2, "cp": 2, "order": "cp-tp-dp-pp"},
+    {"cp": 2, "pp": 2, "order": "pp-dp-cp-tp"},
+    {"tp": 2, "order": "dp-tp-cp-pp"},
+]
+REINIT_LAYOUTS_8 = [
+    {"tp": 2, "pp": 2},
+    {"tp": 4, "pp": 2, "order": "pp-tp-cp-dp"},
+]
+PLAN_KEYS = ["tp", "cp", "dp", "pp", "dp-cp"]
+PLAN_KEYS_8 = PLAN_KEYS + ["tp-cp", "tp-dp-pp"]
+
+SPEC_4 = {
+    "layout": {"world_size": 4, "tp": 2, "cp": 2},
+    "checks": [
+        # step 0: the full matrix on tp and cp (3 dtypes x 2 shapes x 10 mappings each).
+        {"name": "mappings.all", "params": {"dtypes": list(DTYPES)}},
+        # step 1: size-1 groups are the identity with no backend call.
+        {"name": "mappings.all", "params": {"groups": ["pp", "dp"], "dtypes": ["bfloat16"]}},
+        # step 2: a backend group name (string) instead of the ParallelGroup.
+        {"name": "mappings.all", "params": {"groups": ["tp"], "group_api": "name",
+                                            "dtypes": ["float32", "bfloat16"], "shapes": [[4, 4]]}},
+        {"name": "mappings.errors", "params": {}},
+        {"name": "manager.errors", "params": {}},
+        {"name": "manager.reinit", "params": {"layouts": REINIT_LAYOUTS_4, "keys": PLAN_KEYS,
+                                              "shapes": [[4, 2, 4]]}},
+    ],
+}
+SPEC_8 = {
+    "layout": {"world_size": 8, "tp": 2, "cp": 2, "pp": 2},
+    "checks": [
+        {"name": "mappings.all", "params": {"dtypes": ["float32"], "shapes": [[4, 2, 4]]}},
+        {"name": "manager.reinit", "params": {"layouts": REINIT_LAYOUTS_8, "keys": PLAN_KEYS_8,
+                                              "mappings": []}},
+    ],
+}
+
+
+# ---------------------------------------------------------------------------- fixtures
+def _launch(spec, world_size, tmp_path_factory, timeout):
+    from mindscience.distributed.harness import launch
+
+    log_dir = tmp_path_factory.mktemp(f"mappings_{world_size}ranks")
+    result = launch(spec, world_size, timeout=timeout, log_dir=str(log_dir))
+    assert result.ok, (
+        f"the {world_size}-rank job failed (logs in {result.log_dir}):\n"
+        + "\n".join(f"rank {f['rank']} {f['kind']}: {f['reason']}\n{f.get('log_tail', '')}"
+                    for f in result.failures)
+    )
+    return result
+
+
+class Records:
+    """The records of one job, per rank, with small query helpers."""
+
+    def __init__(self, result, world_size):
+        self.result = result
+        self.world_size = world_size
+        self.by_rank = {r: (result.ranks[r] or {}).get("records", []) for r in range(world_size)}
+
+    def select(self, **match):
+        return {r: [x for x in recs if all(x.get(k) == v for k, v in match.items())]
+                for r, recs in self.by_rank.items()}
+
+    def all(self, **match):
+        return [x for recs in self.select(**match).values() for x in recs]
+
+
+@pytest.fixture(scope="module")
+def job4(tmp_path_factory):
+    return Records(_launch(SPEC_4, 4, tmp_path_factory, timeout=150), 4)
+
+
+@pytest.fixture(scope="module")
+def job8(tmp_path_factory):
+    return Records(_launch(SPEC_8, 8, tmp_path_factory, timeout=150), 8)
+
+
+def _assert_passed(records, what):
+    failed = [r for r in records if not r.get("passed")]
+    assert not failed, f"{what}: {len(failed)} failed, e.g. {failed[:3]}"
+
+
+# ---------------------------------------------------------------------------- 4 ranks
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", ["tp", "cp"])
+@pytest.mark.parametrize("mapping", MAPPINGS)
+def test_mapping_forward_backward_on_every_rank(job4, mapping, group, dtype):
+    per_rank = job4.select(step=0, check=f"mapping.{mapping}", group=group, dtype=dtype)
+    for rank, recs in per_rank.items():
+        shapes = sorted(len(r["shape"]) for r in recs)
+        assert shapes == [2, 3], f"rank {rank}: expected a 2-D and a 3-D run, got {recs}"
+        for r in recs:
+            assert r["passed"], f"rank {rank}: {r}"
+            assert r["max_error"] == 0.0  # small integers: exact in every dtype
+            assert r["group_size"] == 2 and r["direction"] == "forward+backward"
+            assert r["autograd"] == ("ms.value_and_grad" if dtype == "float32" else "ms.grad")
+
+
+@pytest.mark.multiprocess
+def test_cpu_reports_composed_collectives(job4):
+    recs = job4.all(step=0, group="tp", dtype="float32")
+    composed = {r["check"]: r["composed"] for r in recs}
+    assert all(r["backend"] == "composed" for r in recs)
+    assert composed["mapping.reduce_scatter_to_sequence"] == ["reduce_scatter"]
+    assert composed["mapping.all_to_all_from_hidden_to_sequence"] == ["all_to_all"]
+    assert composed["mapping.copy_to_all"] == [] and composed["mapping.gather_from_hidden"] == []
+
+
+@pytest.mark.multiprocess
+def test_size1_groups_are_identity_without_communication(job4):
+    recs = job4.all(step=1)
+    assert len(recs) == 4 * 2 * len(MAPPINGS) * 2  # ranks x groups x mappings x shapes
+    _assert_passed(recs, "size-1 groups")
+    assert {r["group"] for r in recs} == {"pp", "dp"}
+    assert all(r["group_size"] == 1 and r["backend_calls"] == 0 for r in recs)
+
+
+@pytest.mark.multiprocess
+def test_backend_group_name_string_is_accepted(job4):
+    recs = job4.all(step=2)
+    assert len(recs) == 4 * len(MAPPINGS) * 2
+    assert all(r["group_api"] == "name" for r in recs)
+    _assert_passed(recs, "group given as backend name")
+
+
+@pytest.mark.multiprocess
+def test_non_divisible_dims_raise_value_error_before_any_collective(job4):
+    recs = [r for r in job4.all() if r["check"].startswith("mapping_error.")]
+    assert len(recs) == 4 * 2 * 7  # ranks x groups (tp, cp) x cases
+    _assert_passed(recs, "mapping errors")
+    assert all(r["backend_calls"] == 0 for r in recs)
+    msg = next(r["message"] for r in recs if r["check"] == "mapping_error.scatter_to_hidden")
+    assert msg.startswith("scatter_to_hidden: last dim (size 3) is not divisible by the group size 2")
+
+
+@pytest.mark.multiprocess
+def test_manager_error_paths(job4):
+    recs = [r for r in job4.all() if r["check"].startswith("manager_error.")]
+    _assert_passed(recs, "manager errors")
+    labels = {r["check"] for r in recs}
+    for label in ("before_init.get_tensor_parallel_group", "before_init.get_layout",
+                  "double_init", "bad_sizes.tp_not_dividing_world", "bad_sizes.tp_zero",
+                  "bad_sizes_valueerror.order_unknown_axis", "size1_group_name",
+                  "comm_not_initialized"):
+        assert f"manager_error.{label}" in labels
+    assert len(recs) == 4 * len(labels)
+
+
+def _label(item, world):
+    lay = Layout(world_size=world, tp=item.get("tp", 1), cp=item.get("cp", 1), pp=item.get("pp", 1),
+                 order=item.get("order", "tp-cp-dp-pp"))
+    return lay, f"tp{lay.tp}-cp{lay.cp}-dp{lay.dp}-pp{lay.pp}:{'-'.join(lay.axes)}"
+
+
+def _assert_plan_equals_runtime(job, layouts, keys):
+    names_by_layout = []
+    for item in layouts:
+        lay, label = _label(item, job.world_size)
+        names = set()
+        for key in keys:
+            recs = job.all(check="manager.group_members", layout=label, group=key)
+            assert len(recs) == job.world_size, (label, key)
+            _assert_passed(recs, f"{label} {key}")
+            # What the backend communicators really hold, from every rank, equals the
+            # planner's full group list (what `msdist plan --format json` prints).
+            runtime = sorted({tuple(r["runtime"]) for r in recs})
+            assert runtime == sorted(tuple(g) for g in lay.groups(key)), (label, key)
+            names |= {r["backend_name"] for r in recs if r["backend_name"]}
+        names_by_layout.append(names)
+    # Every re-initialization used fresh backend names.
+    for i, a in enumerate(names_by_layout):
+        for b in names_by_layout[i + 1:]:
+            assert not a & b
+
+
+@pytest.mark.multiprocess
+def test_reinit_several_orders_plan_equals_runtime(job4):
+    _assert_plan_equals_runtime(job4, REINIT_LAYOUTS_4, PLAN_KEYS)
+
+
+@pytest.mark.multiprocess
+def test_reinit_mappings_on_every_layout(job4):
+    for item in REINIT_LAYOUTS_4:
+        lay, label = _label(item, 4)
+        recs = [r for r in job4.all(layout=label) if r["check"].startswith("mapping.")]
+        groups = {k for k in ("tp", "cp", "dp", "pp") if lay.size(k) > 1}
+        assert {r["group"] for r in recs} == groups, label
+        assert len(recs) == 4 * len(groups) * len(MAPPINGS)
+        _assert_passed(recs, label)
+
+
+@pytest.mark.multiprocess
+def test_launcher_merge_keeps_layouts_apart(job4):
+    from mindscience.distributed.harness import merge_records
+
+    rows = [r for r in merge_records(job4.result) if r["check"] == "manager.group_members"]
+    assert len(rows) == len(REINIT_LAYOUTS_4) * len(PLAN_KEYS)
+    assert all(r["passed"] and r["ranks"] == 4 for r in rows)
+
+
+# ---------------------------------------------------------------------------- 8 ranks
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("group", ["tp", "cp", "pp"])
+def test_8ranks_pp2_every_mapping(job8, group):
+    recs = job8.all(step=0, group=group)
+    assert len(recs) == 8 * len(MAPPINGS)
+    assert {r["check"] for r in recs} == {f"mapping.{m}" for m in MAPPINGS}
+    _assert_passed(recs, f"8 ranks {group}")
+
+
+@pytest.mark.multiprocess
+def test_8ranks_plan_equals_runtime(job8):
+    _assert_plan_equals_runtime(job8, REINIT_LAYOUTS_8, PLAN_KEYS_8)
+
+
+# ---------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("name", MAPPINGS)
+def test_reference_shapes_and_inverse_pairs(name):
+    G, shape = 2, (4, 3, 6)
+    in_shape = mchecks._input_shape(name, shape, G)
+    out_shape = mchecks._output_shape(name, in_shape, G)
+    xs = [np.full(in_shape, r + 1.0) for r in range(G)]
+    cs = [np.full(out_shape, 10.0 * (r + 1)) for r in range(G)]
+    for r in range(G):
+        out, grad = mchecks.reference(name, xs, cs, r)
+        assert out.shape == out_shape and grad.shape == in_shape
+
+
+def test_reference_all_to_all_docstring_example():
+    # Rank 0 holds columns 0-1, rank 1 columns 2-3 of a (2, 4) tensor.
+    full = np.arange(8.0).reshape(2, 4)
+    xs = [full[:, :2], full[:, 2:]]
+    out0, _ = mchecks.reference("all_to_all_from_sequence_to_hidden", xs, [full[:1], full[1:]], 0)
+    out1, _ = mchecks.reference("all_to_all_from_sequence_to_hidden", xs, [full[:1], full[1:]], 1)
+    np.testing.assert_array_equal(out0, full[:1])
+    np.testing.assert_array_equal(out1, full[1:])
+    back, _ = mchecks.reference("all_to_all_from_hidden_to_sequence", [out0, out1], xs, 1)
+    np.testing.assert_array_equal(back, xs[1])
+
+
+def test_backend_selection(monkeypatch):
+    from mindscience.distributed import collectives as C
+
+    monkeypatch.delenv(C.ENV_VAR, raising=False)
+    assert C.get_backend().name == "composed"  # this machine is CPU
+    info = C.backend_info()
+    assert info["device_target"] == "CPU"
+    assert [op for op in C.OPS if info["ops"][op]["composed"]] == ["reduce_scatter", "all_to_all"]
+    monkeypatch.setenv(C.ENV_VAR, "native")
+    assert C.get_backend().name == "native" and not C.is_composed("all_to_all")
+    monkeypatch.setenv(C.ENV_VAR, "nccl")
+    with pytest.raises(ValueError, match="MSDIST_COLLECTIVES"):
+        C.get_backend()
+
+
+def test_size1_group_identity_forward_and_backward():
+    import mindspore as ms
+
+    from mindscience.distributed import collectives as C
+    from mindscience.distributed import mappings as M
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    group = ParallelGroup.trivial("tp")
+    x = ms.Tensor(np.arange(12, dtype=np.float32).reshape(2, 3, 2))
+    c = ms.Tensor(np.arange(12, dtype=np.float32).reshape(2, 3, 2) - 5)
+    before = C.call_count()
+    for name in MAPPINGS:
+        fn = mchecks._mapping_fn(name)
+        out = fn(x, group)
+        grad = ms.grad(lambda t: (fn(t, group) * c).sum())(x)
+        np.testing.assert_array_equal(out.asnumpy(), x.asnumpy())
+        np.testing.assert_array_equal(grad.asnumpy(), c.asnumpy())
+    assert C.call_count() == before
+    outs = [C.all_reduce(x, group), C.all_gather(x, group, -1), C.reduce_scatter(x, group),
+            C.all_to_all(x, group, -1, 0)]
+    assert all(y is x for y in outs)
+
+
+@pytest.mark.parametrize(
+    "name, shape, message",
+    [
+        ("scatter_to_hidden", (4, 6), "scatter_to_hidden: last dim (size 6) is not divisible by the group size 4"),
+        ("scatter_to_sequence", (6, 4), "scatter_to_sequence: first dim (size 6) is not divisible by the group size 4"),
+        ("reduce_scatter_to_sequence", (2, 3, 4), "reduce_scatter_to_sequence: first dim (size 2)"),
+        ("all_to_all_from_sequence_to_hidden", (6, 8), "first dim (size 6) is not divisible by the group size 4"),
+        ("all_to_all_from_hidden_to_sequence", (8, 2, 6), "last dim (size 6) is not divisible by the group size 4"),
+        ("all_to_all_from_hidden_to_sequence", (8,), "expected a tensor of rank >= 2"),
+    ],
+)
+def test_non_divisible_dims_raise_without_communication(name, shape, message):
+    import mindspore as ms
+
+    from mindscience.distributed import collectives as C
+    from mindscience.distributed import mappings as M
+
+    # A size-4 group that was never created: the error must come before any backend use.
+    group = ParallelGroup(key="tp", ranks=(0, 1, 2, 3), rank=1, backend_name="never-created")
+    before = C.call_count()
+    with pytest.raises(ValueError) as info:
+        getattr(M, name)(ms.Tensor(np.zeros(shape, np.float32)), group)
+    assert message in str(info.value) and name in str(info.value)
+    assert C.call_count() == before
+
+
+def test_groups_with_the_same_ranks_run_once():
+    class FakeManager:
+        groups = {
+            "tp": ParallelGroup("tp", (0, 1), 0, "msd1-tp-0"),
+            "cp": ParallelGroup("cp", (0, 2), 0, "msd1-cp-0"),
+            "dp-cp": ParallelGroup("dp-cp", (0, 2), 0, "msd1-cp-0"),
+            "dp": ParallelGroup.trivial("dp"),
+            "pp": ParallelGroup.trivial("pp"),
+        }
+
+        def get_group(self, key):
+            return self.groups[key]
+
+    got = mchecks._groups_of(FakeManager(), ["tp", "cp", "dp-cp", "dp", "pp"])
+    assert list(got) == ["tp", "cp=dp-cp", "dp", "pp"]
