@@ -19,12 +19,18 @@ AXES = ("tp", "cp", "dp", "pp")
 # Rows shown at each end of a large rank table, and groups at each end of a listing.
 HEAD_ROWS = 8
 HEAD_GROUPS = 4
+RECORD_WIDTH = 120
 
 
 def stdout_console(record: bool = False, echo: bool = True) -> Console:
     """The console for results; with ``echo=False`` it only records (for --svg)."""
     file = None if echo else io.StringIO()
-    return Console(record=record, highlight=False, soft_wrap=False, file=file)
+    console = Console(record=record, highlight=False, soft_wrap=False, file=file)
+    if not console.is_terminal:
+        # Piped or recorded output has no width to respect; 80 columns would cut the
+        # wide verify tables.
+        console.width = RECORD_WIDTH
+    return console
 
 
 def stderr_console() -> Console:

@@ -228,12 +228,17 @@ def verify(
 def _run(spec, layout, plan, fmt, timeout, local, nodes, node_rank, master_addr, master_port,
          loopback_nodes, log_dir, min_busbw):
     from mindscience.distributed.harness import LaunchError, launch, launch_local_multinode
+    from mindscience.distributed.harness.worker import GATHERED_FILE
 
     env = _env(local, layout)
     world = layout.world_size
     view = _ProgressView(plan["local"] if plan["mode"] == "cluster" else world, len(spec["checks"]),
                          enabled=fmt == "rich")
     spec = {**spec, "gather": plan["mode"] == "cluster" and nodes > 1}
+    if log_dir:  # a report from an earlier run in the same folder must not be read as this one's
+        stale = os.path.join(os.path.abspath(log_dir), "results", GATHERED_FILE)
+        if os.path.exists(stale):
+            os.remove(stale)
     with user_errors():
         try:
             with view:
@@ -274,7 +279,9 @@ def _gathered(run_dir: str) -> dict:
     """Results of other nodes' ranks, gathered to rank 0 over the backend by the worker."""
     import json
 
-    path = os.path.join(run_dir, "results", "gathered.json")
+    from mindscience.distributed.harness.worker import GATHERED_FILE
+
+    path = os.path.join(run_dir, "results", GATHERED_FILE)
     if not os.path.exists(path):
         return {}
     with open(path, encoding="utf-8") as fh:

@@ -1,0 +1,432 @@
+"""Checks of the parallel layers against a dense ``mint.nn.Linear``, and of the examples.
+
+Every rank builds the dense layer and the parallel layer after the same
+``mindspore.set_seed``, feeds both the same data (the parallel one its share of it) and
+compares, on its own shard: the initial parameters (must be bit-identical), the output,
+the input gradient and the weight and bias gradients of ``sum(output * C)`` for a fixed
+random ``C``. Nothing is gathered for the comparison, so a wrong shard on any rank fails
+that rank's record.
+
+Checks (all take ``tp`` / ``cp``: the parallel sizes to run under; default: the spec's
+layout, else the sizes already initialized, else ``tp`` = all ranks):
+
+* ``layers.init_exact``: shards of ``initialize_affine_weight`` and of both layers equal
+  the slices of the dense tensors, exactly.
+* ``layers.column`` / ``layers.row``: one configuration (``bias``, ``gather_output`` or
+  ``input_is_parallel``, ``sequence_parallel``, ``skip_bias_add``).
+* ``layers.matrix``: every configuration of both layers, one record each.
+* ``layers.errors``: bad sizes raise ``ValueError`` before any communication.
+* ``layers.dense_equivalence``: the three above in one step (what ``msdist verify`` runs).
+* ``examples.tp_mlp``, ``examples.attention_tp``, ``examples.attention_ulysses``,
+  ``examples.attention_cp_allgather``: the ``run()`` of the scripts in ``examples/``
+  (found next to the package in a source checkout, or in ``$MSDIST_EXAMPLES_DIR``).
+
+Example spec (4 ranks; ``tp=2`` makes two tp groups of 2)::
+
+    {"checks": [{"name": "layers.matrix", "params": {"tp": 2}}]}
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import sys
+
+import numpy as np
+
+from ..registry import CheckContext, check
+
+DEFAULT_ATOL = 1e-4
+# Tolerances for low-precision compute, on errors scaled by max(1, max |dense value|):
+# a few units of the dtype's rounding error (bfloat16 2**-8, float16 2**-11).
+LOW_PRECISION_TOL = {"float16": 3e-3, "bfloat16": 2e-2}
+EXAMPLES_ENV = "MSDIST_EXAMPLES_DIR"
+
+
+# ----------------------------------------------------------------------------- setup
+def _ensure_parallel(ctx: CheckContext, tp=None, cp=None):
+    """Initialize the manager for (tp, cp), reusing the groups in force when they fit.
+
+    Returns the tensor-parallel group. Every rank runs the same checks in the same
+    order, so the (collective) group creation happens in step on all ranks.
+    """
+    from mindscience.distributed import manager
+
+    layout = ctx.layout
+    current = manager.get_layout() if manager.is_initialized() else None
+    if tp is None and cp is None:
+        if layout is not None:
+            want = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp, order="-".join(layout.axes))
+        elif current is not None:
+            return manager.get_tensor_parallel_group()
+        else:
+            want = dict(tp=ctx.world_size, cp=1, pp=1, order=None)
+    else:
+        want = dict(tp=tp or 1, cp=cp or 1, pp=1, order=None)
+    if current is not None and (current.tp, current.cp, current.pp) == (want["tp"], want["cp"], want["pp"]) \
+            and (want["order"] is None or "-".join(current.axes) == want["order"]):
+        return manager.get_tensor_parallel_group()
+    manager.destroy_parallel()
+    kwargs = dict(tensor_parallel_size=want["tp"], context_parallel_size=want["cp"],
+                  pipeline_parallel_size=want["pp"])
+    if want["order"]:
+        kwargs["order"] = want["order"]
+    manager.initialize_parallel(**kwargs)
+    return manager.get_tensor_parallel_group()
+
+
+def _dtype(name):
+    import mindspore as ms
+
+    return getattr(ms, name) if isinstance(name, str) else name
+
+
+# ----------------------------------------------------------------------------- helpers
+def _np(t):
+    return t.asnumpy() if hasattr(t, "asnumpy") else np.asarray(t)
+
+
+def _err(a, b, scaled: bool = False) -> float:
+    """Max abs difference; ``scaled`` divides it by ``max(1, max |b|)``. inf on a shape mismatch."""
+    a, b = _np(a).astype(np.float64), _np(b).astype(np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    if not a.size:
+        return 0.0
+    err = float(np.max(np.abs(a - b)))
+    return err / max(1.0, float(np.max(np.abs(b)))) if scaled else err
+
+
+def _chunk(a, group, dim):
+    """Group-rank ``group.rank``'s chunk of ``a`` along ``dim`` (numpy or Tensor)."""
+    n = a.shape[dim] // group.size
+    index = [slice(None)] * len(a.shape)
+    index[dim] = slice(group.rank * n, (group.rank + 1) * n)
+    return a[tuple(index)]
+
+
+def _forward_backward(net, x, cot, skip_bias_add):
+    """Output, input gradient and {param name: gradient} of ``sum(out * cot)``."""
+    import mindspore as ms
+
+    params = net.trainable_params()
+
+    def loss_fn(inp):
+        out = net(inp)
+        if skip_bias_add:  # the caller adds the returned bias, as a fused kernel would
+            out, bias = out
+            if bias is not None:
+                out = out + bias
+        return (out * cot).sum(), out
+
+    grad_fn = ms.value_and_grad(loss_fn, grad_position=0, weights=params, has_aux=True)
+    (_, out), (dx, grads) = grad_fn(x)
+    return out, dx, {p.name.split(".")[-1]: g for p, g in zip(params, grads)}
+
+
+def _case(**flags) -> str:
+    return " ".join(f"{k}={v}" for k, v in flags.items())
+
+
+# ----------------------------------------------------------------------------- layer vs dense
+def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input_is_parallel=False,
+                       sequence_parallel=False, skip_bias_add=False, seq_len=8, batch=2,
+                       in_features=32, out_features=48, seed=0, compute_dtype="float32",
+                       atol=None) -> dict:
+    """One configuration of ``kind`` ("column" or "row") against ``mint.nn.Linear``.
+
+    Returns a record whose ``errors`` hold, per quantity, the max abs difference
+    between this rank's parallel value and the matching slice of the dense one (the
+    dense layer always computes in float32). With ``compute_dtype`` float16/bfloat16 the
+    errors are scaled by ``max(1, max |dense value|)`` and ``atol`` defaults to
+    :data:`LOW_PRECISION_TOL`; with float32 they are absolute and ``atol`` defaults to
+    1e-4. Initial parameters must match exactly in every case.
+    """
+    import mindspore as ms
+    from mindspore import mint
+
+    from mindscience.distributed import collectives
+    from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear
+
+    scaled = str(compute_dtype) != "float32"
+    if atol is None:
+        atol = LOW_PRECISION_TOL.get(str(compute_dtype), DEFAULT_ATOL) if scaled else DEFAULT_ATOL
+    rng = np.random.default_rng(seed + 1)
+    x_full = rng.standard_normal((seq_len, batch, in_features)).astype(np.float32)
+    cot_full = rng.standard_normal((seq_len, batch, out_features)).astype(np.float32)
+
+    ms.set_seed(seed)
+    dense = mint.nn.Linear(in_features, out_features, bias=bias)
+    ms.set_seed(seed)
+    common = dict(bias=bias, use_sequence_parallel=sequence_parallel, skip_bias_add=skip_bias_add,
+                  compute_dtype=_dtype(compute_dtype), group=group)
+    if kind == "column":
+        layer = ColumnParallelLinear(in_features, out_features, gather_output=gather_output, **common)
+        x = _chunk(x_full, group, 0) if sequence_parallel else x_full
+        cot = cot_full if gather_output else _chunk(cot_full, group, -1)
+        flags = dict(bias=bias, gather_output=gather_output, sequence_parallel=sequence_parallel)
+    elif kind == "row":
+        layer = RowParallelLinear(in_features, out_features, input_is_parallel=input_is_parallel, **common)
+        x = _chunk(x_full, group, -1) if input_is_parallel else x_full
+        cot = _chunk(cot_full, group, 0) if sequence_parallel else cot_full
+        flags = dict(bias=bias, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
+    else:
+        raise ValueError(f"kind={kind!r}: expected 'column' or 'row'")
+    if skip_bias_add:
+        flags["skip_bias_add"] = True
+
+    d_out, d_dx, d_g = _forward_backward(dense, ms.Tensor(x_full), ms.Tensor(cot_full), False)
+    p_out, p_dx, p_g = _forward_backward(layer, ms.Tensor(x), ms.Tensor(cot), skip_bias_add)
+
+    weight_dim = 0 if kind == "column" else 1
+    errors = {"init weight": _err(layer.weight, _chunk(_np(dense.weight), group, weight_dim))}
+    if bias:
+        dense_bias = _np(dense.bias)
+        want_bias = _chunk(dense_bias, group, 0) if kind == "column" else dense_bias
+        errors["init bias"] = _err(layer.bias, want_bias)
+
+    if kind == "column":
+        want_out = _np(d_out) if gather_output else _chunk(_np(d_out), group, -1)
+        want_dx = _chunk(_np(d_dx), group, 0) if sequence_parallel else _np(d_dx)
+    else:
+        want_out = _chunk(_np(d_out), group, 0) if sequence_parallel else _np(d_out)
+        want_dx = _chunk(_np(d_dx), group, -1) if input_is_parallel else _np(d_dx)
+    errors["output"] = _err(p_out, want_out, scaled)
+    errors["grad input"] = _err(p_dx, want_dx, scaled)
+    errors["grad weight"] = _err(p_g["weight"], _chunk(_np(d_g["weight"]), group, weight_dim), scaled)
+    if bias:
+        if kind == "column":
+            errors["grad bias"] = _err(p_g["bias"], _chunk(_np(d_g["bias"]), group, 0), scaled)
+        elif sequence_parallel:
+            # Documented behaviour: each rank holds its sequence chunk's share of the
+            # bias gradient; the shares sum (over tp) to the dense gradient.
+            share = _chunk(cot_full, group, 0).reshape(-1, out_features).sum(axis=0)
+            errors["grad bias (this rank's share)"] = _err(p_g["bias"], share, scaled)
+            total = collectives.all_reduce(p_g["bias"], group)
+            errors["grad bias (sum over tp)"] = _err(total, d_g["bias"], scaled)
+        else:
+            errors["grad bias"] = _err(p_g["bias"], d_g["bias"], scaled)
+
+    max_error = max(errors.values())
+    init_exact = errors["init weight"] == 0.0 and errors.get("init bias", 0.0) == 0.0
+    return {
+        "check": f"layers.{kind}",
+        "group": "tp",
+        "case": _case(tp=group.size, **flags),
+        "tp": group.size,
+        "compute_dtype": str(compute_dtype),
+        "passed": bool(init_exact and max_error <= atol),
+        "max_error": max_error,
+        "init_exact": bool(init_exact),
+        "errors": errors,
+        "atol": atol,
+        "error": "scaled by max(1, max |dense|)" if scaled else "absolute",
+    }
+
+
+@check("layers.column")
+def column(ctx: CheckContext, tp=None, cp=None, bias=True, gather_output=True,
+           sequence_parallel=False, skip_bias_add=False, compute_dtype="float32",
+           atol=None, **sizes) -> dict:
+    """ColumnParallelLinear in one configuration against mint.nn.Linear."""
+    group = _ensure_parallel(ctx, tp, cp)
+    return compare_with_dense("column", group, bias=bias, gather_output=gather_output,
+                              sequence_parallel=sequence_parallel, skip_bias_add=skip_bias_add,
+                              compute_dtype=compute_dtype, atol=atol, **sizes)
+
+
+@check("layers.row")
+def row(ctx: CheckContext, tp=None, cp=None, bias=True, input_is_parallel=False,
+        sequence_parallel=False, skip_bias_add=False, compute_dtype="float32",
+        atol=None, **sizes) -> dict:
+    """RowParallelLinear in one configuration against mint.nn.Linear."""
+    group = _ensure_parallel(ctx, tp, cp)
+    return compare_with_dense("row", group, bias=bias, input_is_parallel=input_is_parallel,
+                              sequence_parallel=sequence_parallel, skip_bias_add=skip_bias_add,
+                              compute_dtype=compute_dtype, atol=atol, **sizes)
+
+
+@check("layers.matrix")
+def matrix(ctx: CheckContext, tp=None, cp=None, compute_dtype="float32", atol=None,
+           skip_bias_add=True, **sizes) -> list:
+    """Both layers in every combination of bias x gather_output / input_is_parallel x
+    sequence_parallel (16 records), plus skip_bias_add with bias (4 more by default)."""
+    group = _ensure_parallel(ctx, tp, cp)
+    records = []
+    for kind, (b, split, sp) in itertools.product(("column", "row"),
+                                                 itertools.product((True, False), repeat=3)):
+        flag = {"gather_output": split} if kind == "column" else {"input_is_parallel": split}
+        records.append(compare_with_dense(kind, group, bias=b, sequence_parallel=sp,
+                                          compute_dtype=compute_dtype, atol=atol, **flag, **sizes))
+    if skip_bias_add:
+        for kind, split in itertools.product(("column", "row"), (True, False)):
+            flag = {"gather_output": split} if kind == "column" else {"input_is_parallel": split}
+            records.append(compare_with_dense(kind, group, bias=True, skip_bias_add=True,
+                                              sequence_parallel=False, compute_dtype=compute_dtype,
+                                              atol=atol, **flag, **sizes))
+    return records
+
+
+@check("layers.init_exact")
+def init_exact(ctx: CheckContext, tp=None, cp=None, seed=0) -> list:
+    """Shards equal the dense tensors' slices bit for bit (max_error must be 0)."""
+    import mindspore as ms
+    from mindspore import Parameter, mint
+    from mindspore.common.initializer import initializer
+
+    from mindscience.distributed.modules import (
+        ColumnParallelLinear, RowParallelLinear, initialize_affine_weight,
+    )
+
+    group = _ensure_parallel(ctx, tp, cp)
+    records = []
+
+    def record(case, errors):
+        max_error = max(errors.values())
+        records.append({"check": "layers.init_exact", "group": "tp", "case": f"tp={group.size} {case}",
+                        "passed": max_error == 0.0, "max_error": max_error, "errors": errors})
+
+    n = group.size
+    for (fan_in, fan_out), dtype in itertools.product(((4 * n, 6 * n), (24 * n, 8 * n)),
+                                                      ("float32", "float16", "bfloat16")):
+        for kind in ("column", "row"):
+            ms.set_seed(seed)
+            dense = mint.nn.Linear(fan_in, fan_out, dtype=_dtype(dtype))
+            ms.set_seed(seed)
+            cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+            layer = cls(fan_in, fan_out, param_init_dtype=_dtype(dtype), group=group)
+            wdim = 0 if kind == "column" else 1
+            b = _np(dense.bias.float())
+            record(f"{kind} in={fan_in} out={fan_out} {dtype}", {
+                "weight": _err(layer.weight.float(), _chunk(_np(dense.weight.float()), group, wdim)),
+                "bias": _err(layer.bias.float(), _chunk(b, group, 0) if kind == "column" else b),
+            })
+    for init, dim in itertools.product(("XavierUniform", "normal", "TruncatedNormal"), (0, 1)):
+        shape = (8 * n, 4 * n)
+        ms.set_seed(seed)
+        full = Parameter(initializer(init, shape, ms.float32))
+        ms.set_seed(seed)
+        shard = initialize_affine_weight(shape, n, dim, init, tp_rank=group.rank)
+        record(f"initialize_affine_weight {init} partition_dim={dim}",
+               {"weight": _err(shard, _chunk(_np(full), group, dim))})
+    return records
+
+
+@check("layers.errors")
+def errors(ctx: CheckContext, tp=None, cp=None) -> list:
+    """Sizes the layers cannot split raise ValueError, before any collective call."""
+    import mindspore as ms
+
+    from mindscience.distributed import collectives
+    from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear
+
+    group = _ensure_parallel(ctx, tp, cp)
+    n = group.size
+    f32 = dict(compute_dtype=ms.float32, group=group)
+
+    def x(*shape):
+        return ms.Tensor(np.ones(shape, np.float32))
+
+    cases = {
+        "column out_features not divisible": lambda: ColumnParallelLinear(8, 4 * n + 1, **f32),
+        "row in_features not divisible": lambda: RowParallelLinear(4 * n + 1, 8, **f32),
+        "column wrong last dim": lambda: ColumnParallelLinear(8, 4 * n, **f32)(x(4 * n, 7)),
+        "row wrong last dim": lambda: RowParallelLinear(4 * n, 8, **f32)(x(4 * n, 4 * n + 1)),
+        "row input_is_parallel given the full input": lambda: RowParallelLinear(
+            4 * n, 8, input_is_parallel=True, **f32)(x(4, 4 * n)),
+        "row sequence dim not divisible": lambda: RowParallelLinear(
+            4 * n, 8, use_sequence_parallel=True, **f32)(x(4 * n + 1, 4 * n)),
+        "column sequence parallel without a sequence dim": lambda: ColumnParallelLinear(
+            8, 4 * n, use_sequence_parallel=True, **f32)(x(8)),
+    }
+    records = []
+    for name, fn in cases.items():
+        if n == 1 and "not divisible" in name:
+            continue  # everything divides by 1
+        before = collectives.call_count()
+        try:
+            fn()
+            outcome, message = "no error", ""
+        except ValueError as exc:
+            outcome, message = "ValueError", str(exc)
+        except Exception as exc:  # noqa: BLE001 - report the wrong type, do not crash the rank
+            outcome, message = type(exc).__name__, str(exc)
+        calls = collectives.call_count() - before
+        records.append({"check": "layers.errors", "group": "tp", "case": f"tp={n} {name}",
+                        "passed": outcome == "ValueError" and calls == 0
+                        and ("expected" in message or "divisible" in message),
+                        "max_error": 0.0, "raised": outcome, "collective_calls": calls,
+                        "message": message})
+    return records
+
+
+@check("layers.dense_equivalence")
+def dense_equivalence(ctx: CheckContext, tp=None, cp=None, compute_dtype="float32", atol=None,
+                      **sizes) -> list:
+    """What ``msdist verify`` runs: ``layers.init_exact``, ``layers.matrix`` (both layers,
+    every configuration) and ``layers.errors``, under the job's layout."""
+    return (init_exact(ctx, tp, cp)
+            + matrix(ctx, tp, cp, compute_dtype=compute_dtype, atol=atol, **sizes)
+            + errors(ctx, tp, cp))
+
+
+# ----------------------------------------------------------------------------- examples
+def examples_dir() -> str:
+    """``$MSDIST_EXAMPLES_DIR``, else ``examples/`` of the source checkout."""
+    env = os.environ.get(EXAMPLES_ENV)
+    if env:
+        return os.path.abspath(env)
+    here = os.path.dirname(os.path.abspath(__file__))
+    # .../<root>/mindscience/distributed/harness/checks -> <root>/examples
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(here)))), "examples")
+
+
+def _load_example(name: str):
+    folder = examples_dir()
+    if not os.path.isfile(os.path.join(folder, f"{name}.py")):
+        raise FileNotFoundError(
+            f"example {name}.py not found in {folder}: run from a source checkout, or set "
+            f"{EXAMPLES_ENV} to the folder holding the examples."
+        )
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # the examples import their sibling _common.py
+    return importlib.import_module(name)
+
+
+def _run_example(ctx, name, tp, cp, **params) -> dict:
+    try:
+        module = _load_example(name)
+    except FileNotFoundError as exc:
+        return {"check": f"examples.{name}", "passed": False, "max_error": None, "reason": str(exc)}
+    _ensure_parallel(ctx, tp, cp)
+    record = module.run(**params)
+    record.setdefault("check", f"examples.{name}")
+    record.setdefault("group", "world")
+    if params:
+        record["case"] = _case(**params)
+    return record
+
+
+@check("examples.tp_mlp")
+def example_tp_mlp(ctx: CheckContext, tp=None, cp=None, **params) -> dict:
+    """examples/tp_mlp.py: tensor-parallel MLP training, loss curve vs dense."""
+    return _run_example(ctx, "tp_mlp", tp, cp, **params)
+
+
+@check("examples.attention_tp")
+def example_attention_tp(ctx: CheckContext, tp=None, cp=None, **params) -> dict:
+    """examples/attention_tp.py: Megatron tensor-parallel attention vs dense."""
+    return _run_example(ctx, "attention_tp", tp, cp, **params)
+
+
+@check("examples.attention_ulysses")
+def example_attention_ulysses(ctx: CheckContext, tp=None, cp=None, **params) -> dict:
+    """examples/attention_ulysses.py: Ulysses context-parallel attention vs dense."""
+    return _run_example(ctx, "attention_ulysses", tp, cp, **params)
+
+
+@check("examples.attention_cp_allgather")
+def example_attention_cp_allgather(ctx: CheckContext, tp=None, cp=None, **params) -> dict:
+    """examples/attention_cp_allgather.py: context parallelism by all-gathered k/v vs dense."""
+    return _run_example(ctx, "attention_cp_allgather", tp, cp, **params)

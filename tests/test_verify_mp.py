@@ -1,0 +1,104 @@
+"""``msdist verify`` for real: msrun ranks on this CPU, as a user runs it (a separate process)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+MSDIST = shutil.which("msdist") or str(Path(sys.executable).parent / "msdist")
+
+
+def run_verify(tmp_path, *args, timeout=240):
+    """Run ``msdist verify`` with its own log folder; return (exit code, report, stderr, seconds)."""
+    log_dir = tmp_path / "logs"
+    report_path = tmp_path / "report.json"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [MSDIST, "verify", *args, "--log-dir", str(log_dir), "--output", str(report_path), "--format", "json"],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    seconds = time.monotonic() - start
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    if report is not None:
+        assert json.loads(proc.stdout) == report  # stdout holds only the JSON
+    return proc.returncode, report, proc.stderr, seconds, log_dir
+
+
+def leftovers(log_dir) -> list:
+    """Processes whose command line mentions this run's log folder (workers, msrun, scheduler)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(log_dir) in cmdline:
+            found.append((int(entry), cmdline))
+    return found
+
+
+def test_default_layout_passes(tmp_path):
+    code, report, stderr, _, log_dir = run_verify(tmp_path)
+    assert code == 0, stderr
+    assert report["ok"] is True and report["ranks"] == 4 and report["failures"] == []
+    assert report["layout"]["tp"] == 2 and report["layout"]["cp"] == 2
+    rows = {(r["check"], r["group"]): r for r in report["correctness"]}
+    for key in ("tp", "cp", "dp", "pp", "dp-cp"):
+        assert rows[("layout.groups", key)]["passed"]
+    mappings = {c for c, g in rows if c.startswith("mapping.")}
+    assert len(mappings) >= 9
+    for check in mappings:
+        assert rows[(check, "tp")]["passed"] and rows[(check, "cp=dp-cp")]["passed"]
+        assert rows[(check, "tp")]["max_error"] == 0.0
+    assert any(c.startswith("layers.") for c, _ in rows)
+    assert all(r["passed"] for r in report["correctness"])
+    bandwidth = report["bandwidth"]
+    assert {r["op"] for r in bandwidth} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert {r["group"] for r in bandwidth} == {"tp", "cp=dp-cp", "world"}
+    for row in bandwidth:
+        assert row["wrong"] == 0 and row["time_us"] > 0 and row["busbw_gbps"] > 0
+        assert row["composed"] == (row["op"] in ("reduce_scatter", "all_to_all"))
+        assert row["group_size"] == (4 if row["group"] == "world" else 2)
+    assert leftovers(log_dir) == []
+
+
+def test_crashing_rank_is_named_and_nothing_is_left(tmp_path):
+    code, report, stderr, seconds, log_dir = run_verify(
+        tmp_path, "--checks", "correctness", "--inject-fault", "crash:1:segfault", "--timeout", "120")
+    assert code == 1
+    assert report["ok"] is False
+    crashed = [f for f in report["failures"] if f["rank"] == 1]
+    assert crashed and "crash" in crashed[0]["reason"]
+    assert crashed[0]["log_tail"]
+    assert seconds < 120
+    assert leftovers(log_dir) == []
+
+
+def test_hanging_rank_is_stopped_within_timeout(tmp_path):
+    code, report, stderr, seconds, log_dir = run_verify(
+        tmp_path, "--checks", "correctness", "--inject-fault", "hang:2", "--timeout", "25")
+    assert code == 1
+    assert report["ok"] is False
+    assert 2 in {f["rank"] for f in report["failures"]}
+    # The timeout counts from the launch; stopping and reporting take a few seconds more.
+    assert seconds < 25 + 30
+    assert leftovers(log_dir) == []
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    code, report, stderr, _, log_dir = run_verify(
+        tmp_path, "--loopback-nodes", "2", "--checks", "correctness")
+    assert code == 0, stderr
+    assert report["ok"] is True and report["ranks"] == 4
+    assert all(r["passed"] for r in report["correctness"])
+    assert leftovers(log_dir) == []
