@@ -184,10 +184,28 @@ def _label(item, world):
     return lay, f"tp{lay.tp}-cp{lay.cp}-dp{lay.dp}-pp{lay.pp}:{'-'.join(lay.axes)}"
 
 
+def _plan_json(lay, keys):
+    """What `msdist plan --format json --groups ...` prints for this layout."""
+    import json
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    from mscli.main import app
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
+        fh.write(f"world_size: {lay.world_size}\ntp: {lay.tp}\ncp: {lay.cp}\npp: {lay.pp}\n"
+                 f"order: {'-'.join(lay.axes)}\n")
+    result = CliRunner().invoke(app, ["plan", fh.name, "--format", "json", "--groups", ",".join(keys)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
 def _assert_plan_equals_runtime(job, layouts, keys):
     names_by_layout = []
     for item in layouts:
         lay, label = _label(item, job.world_size)
+        plan = _plan_json(lay, keys)
         names = set()
         for key in keys:
             recs = job.all(check="manager.group_members", layout=label, group=key)
@@ -196,8 +214,9 @@ def _assert_plan_equals_runtime(job, layouts, keys):
             # What the backend communicators really hold, from every rank, equals the
             # planner's full group list (what `msdist plan --format json` prints).
             runtime = sorted({tuple(r["runtime"]) for r in recs})
-            assert runtime == sorted(tuple(g) for g in lay.groups(key)), (label, key)
+            assert runtime == sorted(tuple(g) for g in plan["groups"][key]), (label, key)
             names |= {r["backend_name"] for r in recs if r["backend_name"]}
+        assert all(len(name) <= 64 for name in names), names
         names_by_layout.append(names)
     # Every re-initialization used fresh backend names.
     for i, a in enumerate(names_by_layout):
