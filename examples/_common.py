@@ -1,0 +1,200 @@
+"""Helpers shared by the examples: job setup, softmax attention, comparisons, reporting.
+
+Not an example itself. The example scripts import it as a sibling module (``python
+examples/x.py`` and ``msrun ... examples/x.py`` put ``examples/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import mint, ops
+
+from mindscience.distributed import collectives, manager
+from mindscience.distributed.group import ParallelGroup
+
+ATOL = 1e-4
+
+
+# ----------------------------------------------------------------------------- job setup
+def launched_by_msrun() -> bool:
+    return "MS_ROLE" in os.environ
+
+
+def setup(tensor_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
+    """Join the msrun job and build the parallel groups (skips what is already done).
+
+    In a plain ``python examples/x.py`` process (no msrun) nothing is initialized: the
+    layers and mappings then run on size-1 groups, i.e. as the dense model.
+    The examples' ``run()`` functions expect this done, so that a caller holding other
+    groups (the test harness) can run them too.
+    """
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    if not launched_by_msrun():
+        if tensor_parallel_size * context_parallel_size > 1:
+            raise SystemExit("parallel sizes > 1 need a job started with msrun")
+        return
+    from mindspore.communication import init
+
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        init()  # msrun's scheduler runs this script too: serve the job, then leave
+        raise SystemExit(0)
+    if not manager._communication_initialized():  # noqa: SLF001 - avoid a second init()
+        init()
+    layout = manager.get_layout() if manager.is_initialized() else None
+    if layout is not None and (layout.tp, layout.cp) == (tensor_parallel_size, context_parallel_size):
+        return
+    manager.destroy_parallel()
+    manager.initialize_parallel(
+        tensor_parallel_size=tensor_parallel_size, context_parallel_size=context_parallel_size
+    )
+
+
+def tp_group() -> ParallelGroup:
+    """The tensor-parallel group, or a size-1 group when nothing is initialized."""
+    return manager.get_tensor_parallel_group() if manager.is_initialized() else ParallelGroup.trivial("tp")
+
+
+def cp_group() -> ParallelGroup:
+    """The context-parallel group, or a size-1 group when nothing is initialized."""
+    return manager.get_context_parallel_group() if manager.is_initialized() else ParallelGroup.trivial("cp")
+
+
+def world_rank() -> int:
+    from mindspore.communication import get_rank
+
+    return get_rank()
+
+
+def all_ranks_passed(passed: bool) -> bool:
+    """True when ``passed`` holds on every rank of the job (a world all-reduce)."""
+    from mindspore.communication import get_group_size
+
+    if get_group_size() == 1:
+        return passed
+    failed = ops.AllReduce()(ms.Tensor([0.0 if passed else 1.0], ms.float32))
+    return float(failed.asnumpy()[0]) == 0.0
+
+
+# ----------------------------------------------------------------------------- attention
+def split_qkv(qkv, head_dim: int):
+    """``(S, B, h*3*hd)`` -> q, k, v of shape ``(S, B, h, hd)``.
+
+    The fused projection's features are laid out per head, ``[head, (q|k|v), hd]``, so
+    that any contiguous chunk of ``3*hd*k`` features holds ``k`` complete heads: a
+    column-parallel (or all-to-all) split of the last dim then hands out whole heads.
+    """
+    s, b, f = qkv.shape
+    t = qkv.reshape(s, b, f // (3 * head_dim), 3, head_dim)
+    return t[:, :, :, 0], t[:, :, :, 1], t[:, :, :, 2]
+
+
+def softmax_attention(q, k, v, causal: bool = True, q_offset: int = 0):
+    """Plain softmax attention. q ``(Sq, B, h, hd)``, k/v ``(Sk, B, h, hd)`` -> ``(Sq, B, h*hd)``.
+
+    With ``causal``, query ``i`` (global position ``q_offset + i``) sees keys ``0..q_offset+i``.
+    """
+    sq, b, h, hd = q.shape
+    sk = k.shape[0]
+    qh = q.transpose(1, 2, 0, 3)  # (B, h, Sq, hd)
+    kh = k.transpose(1, 2, 3, 0)  # (B, h, hd, Sk)
+    vh = v.transpose(1, 2, 0, 3)  # (B, h, Sk, hd)
+    scores = mint.matmul(qh, kh) * (1.0 / math.sqrt(hd))
+    if causal:
+        rows = np.arange(sq)[:, None] + q_offset
+        mask = ms.Tensor(np.arange(sk)[None, :] > rows)
+        scores = ops.masked_fill(scores, mask, float("-inf"))
+    probs = mint.nn.functional.softmax(scores, dim=-1)
+    out = mint.matmul(probs, vh)  # (B, h, Sq, hd)
+    return out.transpose(2, 0, 1, 3).reshape(sq, b, h * hd)
+
+
+class DenseAttention(ms.nn.Cell):
+    """The reference: fused qkv projection, softmax attention, output projection."""
+
+    def __init__(self, d_model: int, num_heads: int, causal: bool = True):
+        super().__init__()
+        self.head_dim = d_model // num_heads
+        self.causal = causal
+        self.qkv = mint.nn.Linear(d_model, 3 * d_model)
+        self.proj = mint.nn.Linear(d_model, d_model)
+
+    def construct(self, x):
+        q, k, v = split_qkv(self.qkv(x), self.head_dim)
+        return self.proj(softmax_attention(q, k, v, self.causal))
+
+
+# ----------------------------------------------------------------------------- comparing
+def forward_backward(net, x, cotangent):
+    """Output, input gradient and parameter gradients of ``sum(net(x) * cotangent)``."""
+    params = net.trainable_params()
+
+    def loss_fn(inp):
+        out = net(inp)
+        return (out * cotangent).sum(), out
+
+    grad_fn = ms.value_and_grad(loss_fn, grad_position=0, weights=params, has_aux=True)
+    (_, out), (dx, dparams) = grad_fn(x)
+    return out, dx, {p.name: g for p, g in zip(params, dparams)}
+
+
+def max_abs(a, b) -> float:
+    a = a.asnumpy() if hasattr(a, "asnumpy") else np.asarray(a)
+    b = b.asnumpy() if hasattr(b, "asnumpy") else np.asarray(b)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: {a.shape} vs {b.shape}")
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+
+
+def rows(t, group):
+    """This rank's chunk of dim 0 (the sequence) of a full tensor."""
+    n = t.shape[0] // group.size
+    return t[group.rank * n:(group.rank + 1) * n]
+
+
+def cols(t, group):
+    """This rank's chunk of the last dim of a full tensor."""
+    n = t.shape[-1] // group.size
+    return t[..., group.rank * n:(group.rank + 1) * n]
+
+
+def all_reduce_grads(grads: dict, group) -> dict:
+    """Sum replicated parameters' gradients over ``group`` (what data/context-parallel
+    training does before the optimizer step)."""
+    return {name: collectives.all_reduce(g, group) for name, g in grads.items()}
+
+
+def result(name: str, errors: dict, atol: float = ATOL, **extra) -> dict:
+    """A harness-style record: passed when every error is within ``atol``."""
+    max_error = max(errors.values()) if errors else 0.0
+    return {
+        "check": name,
+        "passed": bool(max_error <= atol),
+        "max_error": max_error,
+        "errors": errors,
+        "atol": atol,
+        **extra,
+    }
+
+
+def report(record: dict) -> int:
+    """Print the record (rank 0 prints the table, every rank its failures); exit code."""
+    rank = world_rank()
+    ok_everywhere = all_ranks_passed(record["passed"])
+    if rank == 0 or not record["passed"]:
+        lines = [f"[rank {rank}] {record['check']}: max |parallel - dense| per quantity"]
+        for key, err in record["errors"].items():
+            flag = "ok" if err <= record["atol"] else "MISMATCH"
+            lines.append(f"  {key:<28} {err:.3e}  {flag}")
+        for key, value in record.items():
+            if key not in ("check", "passed", "max_error", "errors", "atol"):
+                lines.append(f"  {key}: {value}")
+        print("\n".join(lines), flush=True)
+    if rank == 0:
+        verdict = "PASSED" if ok_everywhere else "FAILED"
+        print(f"{record['check']}: {verdict} on all ranks (atol {record['atol']:g})", flush=True)
+    return 0 if ok_everywhere else 1

@@ -1,0 +1,87 @@
+"""Context-parallel attention by all-gathering k and v, checked against dense attention.
+
+    msrun --worker_num=4 --local_worker_num=4 --master_port=8118 --log_dir=logs/attn_agkv \
+          --join=True examples/attention_cp_allgather.py
+
+The sequence is split over the cp ranks. Each rank keeps the queries of its chunk and
+all-gathers the keys and values of the whole sequence:
+
+    x_r (S/cp, B, D): my chunk of the sequence (rows r*S/cp .. (r+1)*S/cp - 1)
+      -> qkv projection (replicated weights)             q_r, k_r, v_r  (S/cp, B, h, hd)
+      -> k = gather_from_sequence(k_r), v = ...(v_r)     (S, B, h, hd)
+      -> softmax attention of my queries over all keys   (S/cp, B, D)
+         (causal mask uses global positions: query i is at r*S/cp + i)
+      -> output projection (replicated weights)          (S/cp, B, D)
+
+Backward, ``gather_from_sequence`` reduce-scatters the k/v gradients: every rank's
+queries touch every key, so the key gradients are partial sums over the ranks. Simple
+and exact, but every rank holds the full k and v (memory O(S)); ring attention avoids
+that. Weight gradients are summed over cp before comparison (see attention_ulysses.py).
+Exits 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import mint, nn
+
+import _common as C
+from mindscience.distributed import mappings
+
+
+class AllGatherKVAttention(nn.Cell):
+    def __init__(self, d_model: int, num_heads: int, causal: bool = True):
+        super().__init__()
+        self.cp = C.cp_group()
+        self.head_dim = d_model // num_heads
+        self.causal = causal
+        self.qkv = mint.nn.Linear(d_model, 3 * d_model)
+        self.proj = mint.nn.Linear(d_model, d_model)
+
+    def construct(self, x):
+        q, k, v = C.split_qkv(self.qkv(x), self.head_dim)   # each (S/cp, B, h, hd)
+        k = mappings.gather_from_sequence(k, self.cp)        # (S, B, h, hd)
+        v = mappings.gather_from_sequence(v, self.cp)
+        offset = self.cp.rank * x.shape[0]                   # global position of my row 0
+        return self.proj(C.softmax_attention(q, k, v, self.causal, q_offset=offset))
+
+
+def run(seq_len: int = 8, batch: int = 2, d_model: int = 16, num_heads: int = 4,
+        causal: bool = True, seed: int = 0, atol: float = C.ATOL) -> dict:
+    """Compare with the dense model on this rank; the parallel groups must exist."""
+    cp = C.cp_group()
+    rng = np.random.default_rng(seed)
+    x = ms.Tensor(rng.standard_normal((seq_len, batch, d_model)), ms.float32)
+    cot = ms.Tensor(rng.standard_normal((seq_len, batch, d_model)), ms.float32)
+
+    ms.set_seed(seed)
+    dense = C.DenseAttention(d_model, num_heads, causal)
+    ms.set_seed(seed)
+    par = AllGatherKVAttention(d_model, num_heads, causal)
+
+    d_out, d_dx, d_g = C.forward_backward(dense, x, cot)
+    p_out, p_dx, p_g = C.forward_backward(par, C.rows(x, cp), C.rows(cot, cp))
+    p_g = C.all_reduce_grads(p_g, cp)
+    errors = {"output": C.max_abs(p_out, C.rows(d_out, cp)),
+              "grad x": C.max_abs(p_dx, C.rows(d_dx, cp))}
+    errors.update({f"grad {name}": C.max_abs(p_g[name], d_g[name]) for name in sorted(d_g)})
+    return C.result("examples.attention_cp_allgather", errors, atol, cp=cp.size)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", type=int, default=None, help="context-parallel size (default: all ranks)")
+    args = parser.parse_args(argv)
+    from mindspore.communication import get_group_size
+
+    C.setup(context_parallel_size=args.cp or get_group_size())
+    return C.report(run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Ulysses context-parallel attention (DeepSpeed-Ulysses), checked against dense attention.
+
+    msrun --worker_num=4 --local_worker_num=4 --master_port=8118 --log_dir=logs/attn_uly \
+          --join=True examples/attention_ulysses.py
+
+The sequence is split over the cp ranks; two all-to-alls swap "my rows, all heads" for
+"all rows, my heads" around the attention, so each rank attends over the WHOLE
+sequence for ``num_heads / cp`` heads:
+
+    x_r (S/cp, B, D): my chunk of the sequence
+      -> qkv projection (replicated weights)                    (S/cp, B, 3D)
+      -> all_to_all_from_hidden_to_sequence                     (S, B, 3D/cp): my heads
+      -> softmax attention over my heads, full sequence         (S, B, D/cp)
+      -> all_to_all_from_sequence_to_hidden                     (S/cp, B, D)
+      -> output projection (replicated weights)                 (S/cp, B, D)
+
+Shape convention (see ``mindscience.distributed.mappings``): "hidden" is the last dim
+and "sequence" the first; ``all_to_all_from_hidden_to_sequence`` takes a hidden-complete
+sequence chunk ``(S/G, ..., H)`` to a sequence-complete hidden chunk ``(S, ..., H/G)``,
+and ``all_to_all_from_sequence_to_hidden`` is its inverse. The fused qkv features are
+laid out per head, so one all-to-all moves q, k and v of whole heads at once.
+
+The weights are replicated over cp, so each rank's weight gradient is its chunk's share:
+they are summed over the cp group (as the dp-cp gradient all-reduce does in training)
+before being compared with the dense gradients. Exits 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import mint, nn
+
+import _common as C
+from mindscience.distributed import mappings
+
+
+class UlyssesAttention(nn.Cell):
+    def __init__(self, d_model: int, num_heads: int, causal: bool = True):
+        super().__init__()
+        self.cp = C.cp_group()
+        if num_heads % self.cp.size:
+            raise ValueError(f"num_heads={num_heads} is not divisible by cp={self.cp.size}")
+        self.head_dim = d_model // num_heads
+        self.causal = causal
+        self.qkv = mint.nn.Linear(d_model, 3 * d_model)
+        self.proj = mint.nn.Linear(d_model, d_model)
+
+    def construct(self, x):
+        qkv = self.qkv(x)                                                # (S/cp, B, 3D)
+        qkv = mappings.all_to_all_from_hidden_to_sequence(qkv, self.cp)  # (S, B, 3D/cp)
+        q, k, v = C.split_qkv(qkv, self.head_dim)
+        out = C.softmax_attention(q, k, v, self.causal)                  # (S, B, D/cp)
+        out = mappings.all_to_all_from_sequence_to_hidden(out, self.cp)  # (S/cp, B, D)
+        return self.proj(out)
+
+
+def run(seq_len: int = 8, batch: int = 2, d_model: int = 16, num_heads: int = 4,
+        causal: bool = True, seed: int = 0, atol: float = C.ATOL) -> dict:
+    """Compare with the dense model on this rank; the parallel groups must exist."""
+    cp = C.cp_group()
+    rng = np.random.default_rng(seed)
+    x = ms.Tensor(rng.standard_normal((seq_len, batch, d_model)), ms.float32)
+    cot = ms.Tensor(rng.standard_normal((seq_len, batch, d_model)), ms.float32)
+
+    ms.set_seed(seed)
+    dense = C.DenseAttention(d_model, num_heads, causal)
+    ms.set_seed(seed)
+    par = UlyssesAttention(d_model, num_heads, causal)
+
+    d_out, d_dx, d_g = C.forward_backward(dense, x, cot)
+    p_out, p_dx, p_g = C.forward_backward(par, C.rows(x, cp), C.rows(cot, cp))
+    p_g = C.all_reduce_grads(p_g, cp)
+    errors = {"output": C.max_abs(p_out, C.rows(d_out, cp)),
+              "grad x": C.max_abs(p_dx, C.rows(d_dx, cp))}
+    errors.update({f"grad {name}": C.max_abs(p_g[name], d_g[name]) for name in sorted(d_g)})
+    return C.result("examples.attention_ulysses", errors, atol, cp=cp.size)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", type=int, default=None, help="context-parallel size (default: all ranks)")
+    args = parser.parse_args(argv)
+    from mindspore.communication import get_group_size
+
+    C.setup(context_parallel_size=args.cp or get_group_size())
+    return C.report(run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The examples in examples/: single-process runs, the shared 4-rank job, and one msrun
+launch of a script exactly as its docstring says to run it."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+import _layers_job
+from mindscience.distributed.harness import find_free_port, find_msrun, stop_job
+from mindscience.distributed.harness.checks.layers import examples_dir
+
+EXAMPLES = ("tp_mlp", "attention_tp", "attention_ulysses", "attention_cp_allgather")
+
+
+def _load(name):
+    folder = examples_dir()
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
+# --------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_runs_in_a_plain_process(name, capsys):
+    assert "MS_ROLE" not in os.environ
+    assert _load(name).main([]) == 0
+    assert "PASSED on all ranks" in capsys.readouterr().out
+
+
+def test_sequence_parallel_mlp_in_a_plain_process():
+    record = _load("tp_mlp").run(sequence_parallel=True, steps=3)
+    assert record["passed"], record
+    assert record["parallel_losses"] == record["dense_losses"]
+
+
+def test_report_exit_code_on_mismatch(capsys):
+    common = _load("_common")
+    record = common.result("examples.fake", {"output": 1.0, "grad x": 0.0})
+    assert not record["passed"]
+    assert common.report(record) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "FAILED" in out
+
+
+# --------------------------------------------------------------------------- 4 ranks
+@pytest.fixture(scope="module")
+def job():
+    result = _layers_job.run_job()
+    assert result.ok, _layers_job.describe_failures(result)
+    return result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name,runs", [("tp_mlp", 2), ("attention_tp", 1), ("attention_ulysses", 1),
+                                       ("attention_cp_allgather", 1)])
+def test_example_on_4_ranks_matches_dense(job, name, runs):
+    records = _layers_job.records_of(job, f"examples.{name}")
+    assert len(records) == runs * _layers_job.WORLD_SIZE
+    failed = [r for r in records if not r["passed"]]
+    assert not failed, failed
+    assert max(r["max_error"] for r in records) <= 1e-4
+
+
+@pytest.mark.multiprocess
+def test_mlp_loss_curves_equal_on_4_ranks(job):
+    for record in _layers_job.records_of(job, "examples.tp_mlp"):
+        assert record["tp"] == 2
+        dense, par = record["dense_losses"], record["parallel_losses"]
+        assert len(dense) == 5 and dense[-1] < dense[0]
+        assert max(abs(p - d) / d for p, d in zip(par, dense)) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_example_script_under_msrun(tmp_path):
+    """``msrun ... examples/tp_mlp.py --sequence-parallel`` on 2 ranks: exit 0, verdict printed."""
+    port = find_free_port()
+    job_id = uuid.uuid4().hex
+    log_dir = tmp_path / "logs"
+    cmd = [find_msrun(), "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
+           f"--log_dir={log_dir}", "--join=True",
+           os.path.join(examples_dir(), "tp_mlp.py"), "--sequence-parallel"]
+    env = dict(os.environ, MSDIST_HARNESS_JOB=job_id,
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL)
+    try:
+        code = proc.wait(timeout=150)
+    finally:
+        stop_job(job_id, [proc])  # msrun's workers run in their own sessions
+    log = (log_dir / "worker_0.log").read_text(errors="replace")
+    assert code == 0, log[-3000:]
+    assert "examples.tp_mlp: PASSED on all ranks" in log
+    assert "sequence_parallel: True" in log and "tp: 2" in log

@@ -1,0 +1,318 @@
+"""ColumnParallelLinear / RowParallelLinear / initialize_affine_weight.
+
+In-process tests run without ``mindspore.communication.init()`` (a plain process): tp = 1,
+or a hand-made ParallelGroup of size > 1 for what needs no communication (construction,
+shard shapes, seed exactness of every rank's shard, argument errors). The multiprocess
+tests read the shared 4-rank job (see ``_layers_job.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, mint, ops
+from mindspore.common.initializer import initializer
+
+import _layers_job
+from mindscience.distributed import collectives, manager
+from mindscience.distributed.group import ParallelGroup
+from mindscience.distributed.harness.checks.layers import compare_with_dense
+from mindscience.distributed.modules import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    initialize_affine_weight,
+)
+
+F32 = ms.float32
+
+
+def fake_group(size: int, rank: int) -> ParallelGroup:
+    """A group of ``size`` ranks seen from ``rank``; fine for anything that does not
+    communicate (construction, argument checks)."""
+    return ParallelGroup(key="tp", ranks=tuple(range(size)), rank=rank, backend_name="unused")
+
+
+def x_of(*shape, seed=0, dtype=np.float32):
+    return Tensor(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+@pytest.fixture(autouse=True)
+def _plain_process():
+    assert not manager.is_initialized()
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+# --------------------------------------------------------------------------- seed exactness
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
+@pytest.mark.parametrize("in_f,out_f,bias", [(16, 24, True), (48, 8, True), (12, 20, False)])
+def test_tp1_parameters_equal_mint_linear(cls, in_f, out_f, bias):
+    ms.set_seed(11)
+    dense = mint.nn.Linear(in_f, out_f, bias=bias)
+    ms.set_seed(11)
+    layer = cls(in_f, out_f, bias=bias)
+    assert layer.group.size == 1 and layer.group.key == "tp"
+    np.testing.assert_array_equal(layer.weight.asnumpy(), dense.weight.asnumpy())
+    if bias:
+        np.testing.assert_array_equal(layer.bias.asnumpy(), dense.bias.asnumpy())
+    else:
+        assert layer.bias is None
+    assert [name for name, _ in layer.parameters_and_names()] == ["weight"] + (["bias"] if bias else [])
+    # the RNG stream after construction is where mint.nn.Linear leaves it, too
+    after_layer = np.random.rand()
+    ms.set_seed(11)
+    mint.nn.Linear(in_f, out_f, bias=bias)
+    assert np.random.rand() == after_layer
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [ms.float32, ms.bfloat16])
+def test_shards_of_all_ranks_reassemble_to_mint_linear(tp, dtype):
+    in_f, out_f = 8 * tp, 4 * tp
+    ms.set_seed(5)
+    dense = mint.nn.Linear(in_f, out_f, dtype=dtype)
+    cols, rows = [], []
+    for rank in range(tp):
+        ms.set_seed(5)
+        cols.append(ColumnParallelLinear(in_f, out_f, param_init_dtype=dtype, group=fake_group(tp, rank)))
+        ms.set_seed(5)
+        rows.append(RowParallelLinear(in_f, out_f, param_init_dtype=dtype, group=fake_group(tp, rank)))
+    assert cols[0].weight.shape == (out_f // tp, in_f) and cols[0].bias.shape == (out_f // tp,)
+    assert rows[0].weight.shape == (out_f, in_f // tp) and rows[0].bias.shape == (out_f,)
+    f = lambda t: t.float().asnumpy()  # noqa: E731
+    np.testing.assert_array_equal(np.concatenate([f(c.weight) for c in cols], 0), f(dense.weight))
+    np.testing.assert_array_equal(np.concatenate([f(c.bias) for c in cols], 0), f(dense.bias))
+    np.testing.assert_array_equal(np.concatenate([f(r.weight) for r in rows], 1), f(dense.weight))
+    for r in rows:
+        np.testing.assert_array_equal(f(r.bias), f(dense.bias))
+
+
+def test_custom_inits_reassemble_to_mint_linear():
+    ms.set_seed(3)
+    dense = mint.nn.Linear(8, 12, weight_init="XavierUniform", bias_init="normal")
+    shards = []
+    for rank in range(2):
+        ms.set_seed(3)
+        shards.append(ColumnParallelLinear(8, 12, weight_init="XavierUniform", bias_init="normal",
+                                           group=fake_group(2, rank)))
+    np.testing.assert_array_equal(np.concatenate([s.weight.asnumpy() for s in shards]), dense.weight.asnumpy())
+    np.testing.assert_array_equal(np.concatenate([s.bias.asnumpy() for s in shards]), dense.bias.asnumpy())
+
+
+# --------------------------------------------------------------------------- initialize_affine_weight
+@pytest.mark.parametrize("init", ["XavierUniform", "normal", "TruncatedNormal"])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_initialize_affine_weight_slices_the_master(init, dim):
+    shape = (8, 12)
+    ms.set_seed(9)
+    full = Parameter(initializer(init, shape, F32)).asnumpy()
+    for rank in range(4):
+        ms.set_seed(9)
+        shard = initialize_affine_weight(shape, 4, dim, init, tp_rank=rank)
+        assert isinstance(shard, Parameter)
+        np.testing.assert_array_equal(shard.asnumpy(), np.split(full, 4, axis=dim)[rank])
+
+
+def test_initialize_affine_weight_tp1_is_the_full_parameter():
+    ms.set_seed(1)
+    full = Parameter(initializer("XavierUniform", (6, 4), F32)).asnumpy()
+    ms.set_seed(1)
+    p = initialize_affine_weight((6, 4), 1, 0, name="w")
+    assert p.name == "w"
+    np.testing.assert_array_equal(p.asnumpy(), full)
+
+
+def test_initialize_affine_weight_slices_a_given_tensor():
+    full = np.arange(24, dtype=np.float32).reshape(4, 6)
+    shard = initialize_affine_weight((4, 6), 3, 1, Tensor(full), tp_rank=2)
+    np.testing.assert_array_equal(shard.asnumpy(), full[:, 4:6])
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(init_shape=(6, 4), tp_world_size=4, partition_dim=0, tp_rank=0), ValueError, ["6", "not divisible", "4"]),
+    (dict(init_shape=(8, 4), tp_world_size=2, partition_dim=2, tp_rank=0), ValueError, ["partition_dim=2"]),
+    (dict(init_shape=(8, 4), tp_world_size=2, partition_dim=0, tp_rank=2), ValueError, ["tp_rank=2"]),
+    (dict(init_shape=(8, 4), tp_world_size=0, partition_dim=0), ValueError, ["tp_world_size=0"]),
+    (dict(init_shape=(8, 4), tp_world_size=2, partition_dim=0), RuntimeError, ["initialize_parallel", "tp_rank"]),
+])
+def test_initialize_affine_weight_errors(kwargs, error, words):
+    with pytest.raises(error) as info:
+        initialize_affine_weight(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+# --------------------------------------------------------------------------- forward / backward at tp=1
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("bias,split,sp,skip", [
+    *[(b, s, sp, False) for b, s, sp in itertools.product((True, False), repeat=3)],
+    (True, True, False, True), (True, False, False, True),
+])
+def test_tp1_forward_backward_equal_mint_linear(kind, bias, split, sp, skip):
+    flag = {"gather_output": split} if kind == "column" else {"input_is_parallel": split}
+    record = compare_with_dense(kind, ParallelGroup.trivial("tp"), bias=bias, sequence_parallel=sp,
+                                skip_bias_add=skip, **flag)
+    assert record["passed"], record
+    assert record["init_exact"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind,flag", [("column", {"gather_output": False}), ("row", {"input_is_parallel": False})])
+def test_tp1_low_precision_compute_is_close_to_float32(dtype, kind, flag):
+    record = compare_with_dense(kind, ParallelGroup.trivial("tp"), compute_dtype=dtype, **flag)
+    assert record["passed"], record
+    assert 0 < record["max_error"] <= record["atol"]
+
+
+def test_no_communication_at_tp1():
+    before = collectives.call_count()
+    layer = RowParallelLinear(8, 4, use_sequence_parallel=True, compute_dtype=F32)
+    layer(x_of(4, 2, 8))
+    ColumnParallelLinear(8, 4, use_sequence_parallel=True, compute_dtype=F32)(x_of(4, 8))
+    assert collectives.call_count() == before
+
+
+# --------------------------------------------------------------------------- dtypes
+def _bf16_round(a):
+    return ops.cast(ops.cast(Tensor(a), ms.bfloat16), F32).asnumpy()
+
+
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
+def test_default_bf16_compute_keeps_the_input_dtype(cls):
+    ms.set_seed(0)
+    layer = cls(16, 8)  # compute_dtype=bfloat16 by default; CPU has no bf16 MatMul
+    assert layer.compute_dtype == ms.bfloat16 and layer.weight.dtype == F32
+    x = x_of(4, 16)
+    y = layer(x)
+    assert y.dtype == F32
+    w, xb = _bf16_round(layer.weight.asnumpy()), _bf16_round(x.asnumpy())
+    b = layer.bias.asnumpy()
+    if cls is ColumnParallelLinear:  # bias added inside the bf16 matmul, result rounded once
+        want = _bf16_round(xb @ w.T + _bf16_round(b))
+    else:  # bias added after the reduction, in the output (input) dtype
+        want = _bf16_round(xb @ w.T) + b
+    np.testing.assert_allclose(y.asnumpy(), want, rtol=1e-6, atol=1e-6)
+    dense = x.asnumpy() @ layer.weight.asnumpy().T + b
+    assert np.max(np.abs(y.asnumpy() - dense)) < 5e-2  # bf16 precision, not float32
+    assert np.max(np.abs(y.asnumpy() - dense)) > 1e-6
+
+
+def test_bf16_input_gives_bf16_output_and_float32_grads():
+    layer = ColumnParallelLinear(16, 8)
+    x = ops.cast(x_of(4, 16), ms.bfloat16)
+    assert layer(x).dtype == ms.bfloat16
+    grads = ms.grad(lambda inp: ops.cast(layer(inp), F32).sum(), grad_position=None,
+                    weights=layer.trainable_params())(x)
+    assert [g.dtype for g in grads] == [F32, F32]
+
+
+def test_compute_dtype_none_computes_in_the_input_dtype():
+    layer = RowParallelLinear(16, 8, compute_dtype=None)
+    x16 = ops.cast(x_of(4, 16), ms.float16)
+    assert layer(x16).dtype == ms.float16
+    np.testing.assert_allclose(layer(x_of(4, 16)).asnumpy(),
+                               mint.nn.functional.linear(x_of(4, 16), layer.weight, layer.bias).asnumpy(),
+                               rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- skip_bias_add, attributes
+def test_skip_bias_add_returns_output_and_bias():
+    ms.set_seed(2)
+    dense = mint.nn.Linear(8, 6)
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        ms.set_seed(2)
+        layer = cls(8, 6, compute_dtype=F32, skip_bias_add=True)
+        out, bias = layer(x_of(3, 8))
+        assert bias is layer.bias
+        np.testing.assert_allclose((out + bias).asnumpy(), dense(x_of(3, 8)).asnumpy(), rtol=1e-6, atol=1e-6)
+    out, bias = ColumnParallelLinear(8, 6, bias=False, skip_bias_add=True)(x_of(3, 8))
+    assert bias is None
+
+
+def test_sequence_parallel_row_bias_is_marked():
+    assert RowParallelLinear(8, 4, use_sequence_parallel=True).bias.sequence_parallel is True
+    assert not getattr(RowParallelLinear(8, 4).bias, "sequence_parallel", False)
+
+
+def test_group_is_resolved_at_construction():
+    layer = ColumnParallelLinear(8, 4, group=fake_group(2, 1))
+    assert (layer.tp_size, layer.tp_rank) == (2, 1)
+    assert ColumnParallelLinear(8, 4).group == ParallelGroup.trivial("tp")
+    assert "tp=2" in repr(layer)
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("make,words", [
+    (lambda: ColumnParallelLinear(8, 10, group=fake_group(4, 0)), ["out_features=10", "4", "multiple of 4"]),
+    (lambda: RowParallelLinear(10, 8, group=fake_group(4, 0)), ["in_features=10", "4", "multiple of 4"]),
+    (lambda: ColumnParallelLinear(0, 8), ["in_features=0"]),
+])
+def test_construction_errors(make, words):
+    with pytest.raises(ValueError) as info:
+        make()
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("make,shape,words", [
+    (lambda g: ColumnParallelLinear(8, 4, group=g), (4, 7), ["last dim is 7", "expected 8"]),
+    (lambda g: RowParallelLinear(8, 4, group=g), (4, 4), ["last dim is 4", "expected 8", "input_is_parallel=True"]),
+    (lambda g: RowParallelLinear(8, 4, input_is_parallel=True, group=g), (4, 8),
+     ["last dim is 8", "expected 4", "input_is_parallel=False"]),
+    (lambda g: RowParallelLinear(8, 4, use_sequence_parallel=True, group=g), (5, 8),
+     ["sequence dim (dim 0) is 5", "not divisible", "Pad the sequence"]),
+    (lambda g: ColumnParallelLinear(8, 4, use_sequence_parallel=True, group=g), (8,), ["(S, ..., H)"]),
+])
+def test_call_errors_come_before_any_communication(make, shape, words):
+    layer = make(fake_group(2, 0))
+    before = collectives.call_count()
+    with pytest.raises(ValueError) as info:
+        layer(Tensor(np.ones(shape, np.float32)))
+    assert collectives.call_count() == before
+    for word in words:
+        assert word in str(info.value)
+
+
+# --------------------------------------------------------------------------- 4 ranks
+@pytest.fixture(scope="module")
+def job():
+    result = _layers_job.run_job()
+    assert result.ok, _layers_job.describe_failures(result)
+    return result
+
+
+def _assert_all_passed(job, prefix, expected_count):
+    records = _layers_job.records_of(job, prefix)
+    failed = [r for r in records if not r["passed"]]
+    assert not failed, "\n".join(
+        f"rank {r['rank']} {r['check']} {r.get('case')}: {r.get('errors') or r.get('message')}" for r in failed
+    )
+    assert len(records) == expected_count * _layers_job.WORLD_SIZE
+    return records
+
+
+@pytest.mark.multiprocess
+def test_4ranks_init_is_seed_exact(job):
+    records = _assert_all_passed(job, "layers.init_exact", 2 * 18)
+    assert all(r["max_error"] == 0.0 for r in records)
+
+
+@pytest.mark.multiprocess
+def test_4ranks_every_configuration_equals_the_dense_layer(job):
+    # tp=4: 16 configurations + 4 skip_bias_add + 2 bfloat16; tp=2 (subgroups): 16
+    records = _assert_all_passed(job, "layers.column", 11 + 8) + _assert_all_passed(job, "layers.row", 11 + 8)
+    assert all(r["init_exact"] for r in records)
+    f32 = [r for r in records if r["compute_dtype"] == "float32"]
+    assert len(f32) == 36 * _layers_job.WORLD_SIZE
+    assert max(r["max_error"] for r in f32) <= 1e-4
+    sp_bias = [r for r in f32 if "grad bias (this rank's share)" in r["errors"]]
+    assert len(sp_bias) == 2 * 2 * _layers_job.WORLD_SIZE  # 2 row SP+bias configs x 2 layouts
+
+
+@pytest.mark.multiprocess
+def test_4ranks_errors_before_communication(job):
+    records = _assert_all_passed(job, "layers.errors", 2 * 7)
+    assert all(r["collective_calls"] == 0 for r in records)
