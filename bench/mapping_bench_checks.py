@@ -155,11 +155,11 @@ def bench_mappings(
              lambda: M.gather_from_sequence(seq, g), lambda: C.all_gather(seq, g, 0)),
             ("reduce_scatter_to_sequence", "reduce_scatter (S,H)->(S/G,H)",
              lambda: M.reduce_scatter_to_sequence(full, g), lambda: C.reduce_scatter(full, g)),
-            ("all_to_all_from_sequence_to_hidden", "all_to_all split 0 concat -1, (S,H) sent",
-             lambda: M.all_to_all_from_sequence_to_hidden(full, g),
-             lambda: C.all_to_all(full, g, 0, -1)),
-            ("all_to_all_from_hidden_to_sequence", "all_to_all split -1 concat 0, (S,H) sent",
+            ("all_to_all_from_hidden_to_sequence", "all_to_all split 0 concat -1, (S,H) sent",
              lambda: M.all_to_all_from_hidden_to_sequence(full, g),
+             lambda: C.all_to_all(full, g, 0, -1)),
+            ("all_to_all_from_sequence_to_hidden", "all_to_all split -1 concat 0, (S,H) sent",
+             lambda: M.all_to_all_from_sequence_to_hidden(full, g),
              lambda: C.all_to_all(full, g, -1, 0)),
         ]
         for name, what, fm, fb in rows:
@@ -190,10 +190,10 @@ def bench_mappings(
             ("reduce_scatter_to_sequence", M.reduce_scatter_to_sequence, full,
              lambda x: C.reduce_scatter(x, g), lambda d: C.all_gather(d, g, 0),
              "fwd reduce_scatter (S,H); bwd all_gather dim 0 ->(S,H)"),
-            ("all_to_all_from_sequence_to_hidden", M.all_to_all_from_sequence_to_hidden, full,
+            ("all_to_all_from_hidden_to_sequence", M.all_to_all_from_hidden_to_sequence, full,
              lambda x: C.all_to_all(x, g, 0, -1), lambda d: C.all_to_all(d, g, -1, 0),
              "fwd a2a (S,H)->(S/G,GH); bwd a2a back"),
-            ("all_to_all_from_hidden_to_sequence", M.all_to_all_from_hidden_to_sequence, full,
+            ("all_to_all_from_sequence_to_hidden", M.all_to_all_from_sequence_to_hidden, full,
              lambda x: C.all_to_all(x, g, -1, 0), lambda d: C.all_to_all(d, g, 0, -1),
              "fwd a2a (S,H)->(GS,H/G); bwd a2a back"),
         ]

@@ -9,15 +9,15 @@ sequence for ``num_heads / cp`` heads:
 
     x_r (S/cp, B, D): my chunk of the sequence
       -> qkv projection (replicated weights)                    (S/cp, B, 3D)
-      -> all_to_all_from_hidden_to_sequence                     (S, B, 3D/cp): my heads
+      -> all_to_all_from_sequence_to_hidden                     (S, B, 3D/cp): my heads
       -> softmax attention over my heads, full sequence         (S, B, D/cp)
-      -> all_to_all_from_sequence_to_hidden                     (S/cp, B, D)
+      -> all_to_all_from_hidden_to_sequence                     (S/cp, B, D)
       -> output projection (replicated weights)                 (S/cp, B, D)
 
 Shape convention (see ``mindscience.distributed.mappings``): "hidden" is the last dim
-and "sequence" the first; ``all_to_all_from_hidden_to_sequence`` takes a hidden-complete
+and "sequence" the first; ``all_to_all_from_sequence_to_hidden`` takes a hidden-complete
 sequence chunk ``(S/G, ..., H)`` to a sequence-complete hidden chunk ``(S, ..., H/G)``,
-and ``all_to_all_from_sequence_to_hidden`` is its inverse. The fused qkv features are
+and ``all_to_all_from_hidden_to_sequence`` is its inverse. The fused qkv features are
 laid out per head, so one all-to-all moves q, k and v of whole heads at once.
 
 The weights are replicated over cp, so each rank's weight gradient is its chunk's share:
@@ -52,10 +52,10 @@ class UlyssesAttention(nn.Cell):
 
     def construct(self, x):
         qkv = self.qkv(x)                                                # (S/cp, B, 3D)
-        qkv = mappings.all_to_all_from_hidden_to_sequence(qkv, self.cp)  # (S, B, 3D/cp)
+        qkv = mappings.all_to_all_from_sequence_to_hidden(qkv, self.cp)  # (S, B, 3D/cp)
         q, k, v = C.split_qkv(qkv, self.head_dim)
         out = C.softmax_attention(q, k, v, self.causal)                  # (S, B, D/cp)
-        out = mappings.all_to_all_from_sequence_to_hidden(out, self.cp)  # (S/cp, B, D)
+        out = mappings.all_to_all_from_hidden_to_sequence(out, self.cp)  # (S/cp, B, D)
         return self.proj(out)
 
 

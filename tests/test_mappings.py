@@ -134,7 +134,7 @@ def test_cpu_reports_composed_collectives(job4):
     composed = {r["check"]: r["composed"] for r in recs}
     assert all(r["backend"] == "composed" for r in recs)
     assert composed["mapping.reduce_scatter_to_sequence"] == ["reduce_scatter"]
-    assert composed["mapping.all_to_all_from_hidden_to_sequence"] == ["all_to_all"]
+    assert composed["mapping.all_to_all_from_sequence_to_hidden"] == ["all_to_all"]
     assert composed["mapping.copy_to_all"] == [] and composed["mapping.gather_from_hidden"] == []
 
 
@@ -281,11 +281,11 @@ def test_reference_all_to_all_docstring_example():
     # Rank 0 holds columns 0-1, rank 1 columns 2-3 of a (2, 4) tensor.
     full = np.arange(8.0).reshape(2, 4)
     xs = [full[:, :2], full[:, 2:]]
-    out0, _ = mchecks.reference("all_to_all_from_sequence_to_hidden", xs, [full[:1], full[1:]], 0)
-    out1, _ = mchecks.reference("all_to_all_from_sequence_to_hidden", xs, [full[:1], full[1:]], 1)
+    out0, _ = mchecks.reference("all_to_all_from_hidden_to_sequence", xs, [full[:1], full[1:]], 0)
+    out1, _ = mchecks.reference("all_to_all_from_hidden_to_sequence", xs, [full[:1], full[1:]], 1)
     np.testing.assert_array_equal(out0, full[:1])
     np.testing.assert_array_equal(out1, full[1:])
-    back, _ = mchecks.reference("all_to_all_from_hidden_to_sequence", [out0, out1], xs, 1)
+    back, _ = mchecks.reference("all_to_all_from_sequence_to_hidden", [out0, out1], xs, 1)
     np.testing.assert_array_equal(back, xs[1])
 
 
@@ -333,9 +333,9 @@ def test_size1_group_identity_forward_and_backward():
         ("scatter_to_hidden", (4, 6), "scatter_to_hidden: last dim (size 6) is not divisible by the group size 4"),
         ("scatter_to_sequence", (6, 4), "scatter_to_sequence: first dim (size 6) is not divisible by the group size 4"),
         ("reduce_scatter_to_sequence", (2, 3, 4), "reduce_scatter_to_sequence: first dim (size 2)"),
-        ("all_to_all_from_sequence_to_hidden", (6, 8), "first dim (size 6) is not divisible by the group size 4"),
-        ("all_to_all_from_hidden_to_sequence", (8, 2, 6), "last dim (size 6) is not divisible by the group size 4"),
-        ("all_to_all_from_hidden_to_sequence", (8,), "expected a tensor of rank >= 2"),
+        ("all_to_all_from_hidden_to_sequence", (6, 8), "first dim (size 6) is not divisible by the group size 4"),
+        ("all_to_all_from_sequence_to_hidden", (8, 2, 6), "last dim (size 6) is not divisible by the group size 4"),
+        ("all_to_all_from_sequence_to_hidden", (8,), "expected a tensor of rank >= 2"),
     ],
 )
 def test_non_divisible_dims_raise_without_communication(name, shape, message):

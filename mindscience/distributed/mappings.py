@@ -16,8 +16,8 @@ gather_from_sequence                   all-gather first dim             reduce-s
                                                                         ``tensor_parallel_output_grad``
                                                                         is False)
 reduce_scatter_to_sequence             reduce-scatter first dim         all-gather first dim
-all_to_all_from_sequence_to_hidden     (S, ..., H/G) -> (S/G, ..., H)   the inverse
-all_to_all_from_hidden_to_sequence     (S/G, ..., H) -> (S, ..., H/G)   the inverse
+all_to_all_from_hidden_to_sequence     (S, ..., H/G) -> (S/G, ..., H)   the inverse
+all_to_all_from_sequence_to_hidden     (S/G, ..., H) -> (S, ..., H/G)   the inverse
 =====================================  ===============================  ==================================
 
 "hidden" is the LAST dim, "sequence" the FIRST dim. Chunks are taken and concatenated
@@ -47,8 +47,8 @@ __all__ = [
     "scatter_to_sequence",
     "gather_from_sequence",
     "reduce_scatter_to_sequence",
-    "all_to_all_from_hidden_to_sequence",
     "all_to_all_from_sequence_to_hidden",
+    "all_to_all_from_hidden_to_sequence",
 ]
 
 
@@ -153,7 +153,7 @@ class _ReduceScatterToSequence(ms._Function):
         return C.all_gather(dy, ctx.group, 0), None
 
 
-class _AllToAllSequenceToHidden(ms._Function):
+class _AllToAllHiddenToSequence(ms._Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -164,7 +164,7 @@ class _AllToAllSequenceToHidden(ms._Function):
         return C.all_to_all(dy, ctx.group, split_dim=-1, concat_dim=0), None
 
 
-class _AllToAllHiddenToSequence(ms._Function):
+class _AllToAllSequenceToHidden(ms._Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -345,12 +345,12 @@ def reduce_scatter_to_sequence(x, group: GroupLike):
     return _ReduceScatterToSequence.apply(x, g)
 
 
-def all_to_all_from_sequence_to_hidden(x, group: GroupLike):
+def all_to_all_from_hidden_to_sequence(x, group: GroupLike):
     """From hidden shards over the full sequence to sequence shards over the full hidden.
 
     ``(S, ..., H/G) -> (S/G, ..., H)``: rank r receives rows ``r*S/G:(r+1)*S/G`` of every
     rank's hidden chunk, concatenated along the last dim in group-rank order. The
-    backward is :func:`all_to_all_from_hidden_to_sequence` of the gradient.
+    backward is :func:`all_to_all_from_sequence_to_hidden` of the gradient.
 
     Args:
         x: Tensor ``(S, ..., H/G)`` of rank >= 2.
@@ -366,17 +366,17 @@ def all_to_all_from_sequence_to_hidden(x, group: GroupLike):
     g = C.resolve_group(group)
     if g.size == 1:
         return x
-    _check_rank("all_to_all_from_sequence_to_hidden", x, 2)
-    _check_dim("all_to_all_from_sequence_to_hidden", x, 0, g.size)
-    return _AllToAllSequenceToHidden.apply(x, g)
+    _check_rank("all_to_all_from_hidden_to_sequence", x, 2)
+    _check_dim("all_to_all_from_hidden_to_sequence", x, 0, g.size)
+    return _AllToAllHiddenToSequence.apply(x, g)
 
 
-def all_to_all_from_hidden_to_sequence(x, group: GroupLike):
+def all_to_all_from_sequence_to_hidden(x, group: GroupLike):
     """From sequence shards over the full hidden to hidden shards over the full sequence.
 
     ``(S/G, ..., H) -> (S, ..., H/G)``: rank r receives columns ``r*H/G:(r+1)*H/G`` of
     every rank's sequence chunk, concatenated along the first dim in group-rank order.
-    The backward is :func:`all_to_all_from_sequence_to_hidden` of the gradient.
+    The backward is :func:`all_to_all_from_hidden_to_sequence` of the gradient.
 
     Args:
         x: Tensor ``(S/G, ..., H)`` of rank >= 2.
@@ -392,6 +392,6 @@ def all_to_all_from_hidden_to_sequence(x, group: GroupLike):
     g = C.resolve_group(group)
     if g.size == 1:
         return x
-    _check_rank("all_to_all_from_hidden_to_sequence", x, 2)
-    _check_dim("all_to_all_from_hidden_to_sequence", x, -1, g.size)
-    return _AllToAllHiddenToSequence.apply(x, g)
+    _check_rank("all_to_all_from_sequence_to_hidden", x, 2)
+    _check_dim("all_to_all_from_sequence_to_hidden", x, -1, g.size)
+    return _AllToAllSequenceToHidden.apply(x, g)

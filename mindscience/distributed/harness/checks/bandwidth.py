@@ -128,6 +128,9 @@ def bandwidth_sweep(
     ms_dtype = getattr(ms, dtype)
     rtol = DTYPE_RTOL[dtype]
     records = []
+    # The first synchronize() of a CPU process returns at once (it only logs that CPU is
+    # "not supported"); spend it here so that every timed loop below really waits.
+    ms.runtime.synchronize()
     for label, g in _distinct_groups(groups):
         barrier = ms.Tensor(np.ones(g.size, np.float32))
         for op in ops:

@@ -69,8 +69,8 @@ MAPPING_NAMES = (
     "gather_from_sequence",
     "gather_from_sequence(tensor_parallel_output_grad=False)",
     "reduce_scatter_to_sequence",
-    "all_to_all_from_sequence_to_hidden",
     "all_to_all_from_hidden_to_sequence",
+    "all_to_all_from_sequence_to_hidden",
 )
 DTYPES = ("float32", "float16", "bfloat16")
 TOLERANCE = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}
@@ -87,8 +87,8 @@ _COLLECTIVES = {
     "gather_from_sequence": ("all_gather", "reduce_scatter"),
     "gather_from_sequence(tensor_parallel_output_grad=False)": ("all_gather",),
     "reduce_scatter_to_sequence": ("reduce_scatter", "all_gather"),
-    "all_to_all_from_sequence_to_hidden": ("all_to_all",),
     "all_to_all_from_hidden_to_sequence": ("all_to_all",),
+    "all_to_all_from_sequence_to_hidden": ("all_to_all",),
 }
 
 
@@ -100,9 +100,9 @@ def _split(a, parts, axis, index):
 def _input_shape(name: str, shape: tuple, G: int) -> tuple:
     """The local input shape a mapping expects, for the global shape ``(S, ..., H)``."""
     S, H = shape[0], shape[-1]
-    if name in ("gather_from_hidden", "all_to_all_from_sequence_to_hidden"):
+    if name in ("gather_from_hidden", "all_to_all_from_hidden_to_sequence"):
         return shape[:-1] + (H // G,)
-    if name.startswith("gather_from_sequence") or name == "all_to_all_from_hidden_to_sequence":
+    if name.startswith("gather_from_sequence") or name == "all_to_all_from_sequence_to_hidden":
         return (S // G,) + shape[1:]
     return shape
 
@@ -110,14 +110,14 @@ def _input_shape(name: str, shape: tuple, G: int) -> tuple:
 def _output_shape(name: str, in_shape: tuple, G: int) -> tuple:
     """The output shape of a mapping for the local input shape ``in_shape``."""
     first, last = in_shape[0], in_shape[-1]
-    if name in ("scatter_to_hidden", "all_to_all_from_hidden_to_sequence"):
+    if name in ("scatter_to_hidden", "all_to_all_from_sequence_to_hidden"):
         last //= G
-    if name in ("gather_from_hidden", "all_to_all_from_sequence_to_hidden"):
+    if name in ("gather_from_hidden", "all_to_all_from_hidden_to_sequence"):
         last *= G
     if name in ("scatter_to_sequence", "reduce_scatter_to_sequence",
-                "all_to_all_from_sequence_to_hidden"):
+                "all_to_all_from_hidden_to_sequence"):
         first //= G
-    if name.startswith("gather_from_sequence") or name == "all_to_all_from_hidden_to_sequence":
+    if name.startswith("gather_from_sequence") or name == "all_to_all_from_sequence_to_hidden":
         first *= G
     return (first,) + tuple(in_shape[1:-1]) + (last,)
 
@@ -148,9 +148,9 @@ def reference(name: str, xs: list, cs: list, r: int):
         return np.concatenate(xs, 0), _split(cs[r], G, 0, r)
     if name == "reduce_scatter_to_sequence":
         return _split(sum(xs), G, 0, r), np.concatenate(cs, 0)
-    if name == "all_to_all_from_sequence_to_hidden":
-        return _split(np.concatenate(xs, -1), G, 0, r), _split(np.concatenate(cs, 0), G, -1, r)
     if name == "all_to_all_from_hidden_to_sequence":
+        return _split(np.concatenate(xs, -1), G, 0, r), _split(np.concatenate(cs, 0), G, -1, r)
+    if name == "all_to_all_from_sequence_to_hidden":
         return _split(np.concatenate(xs, 0), G, -1, r), _split(np.concatenate(cs, -1), G, 0, r)
     raise ValueError(f"unknown mapping {name!r}: expected one of {', '.join(MAPPING_NAMES)}")
 
@@ -391,10 +391,10 @@ def mappings_errors(ctx: CheckContext, groups=None) -> list[dict]:
             ("scatter_to_hidden", (2 * G, bad), "last dim", bad),
             ("scatter_to_sequence", (bad, 2 * G), "first dim", bad),
             ("reduce_scatter_to_sequence", (bad, 2, 2 * G), "first dim", bad),
-            ("all_to_all_from_sequence_to_hidden", (bad, 2 * G), "first dim", bad),
-            ("all_to_all_from_hidden_to_sequence", (2 * G, 3, bad), "last dim", bad),
-            ("all_to_all_from_sequence_to_hidden", (2 * G,), "rank >= 2", None),
+            ("all_to_all_from_hidden_to_sequence", (bad, 2 * G), "first dim", bad),
+            ("all_to_all_from_sequence_to_hidden", (2 * G, 3, bad), "last dim", bad),
             ("all_to_all_from_hidden_to_sequence", (2 * G,), "rank >= 2", None),
+            ("all_to_all_from_sequence_to_hidden", (2 * G,), "rank >= 2", None),
         ]
         for name, shape, what, size in cases:
             x = ms.Tensor(np.zeros(shape, np.float32))
