@@ -65,7 +65,7 @@ def test_default_runs_four_cpu_ranks_with_all_checks(fake):
     assert names == ["layout.init", "mappings.all", "layers.dense_equivalence", "bandwidth.sweep"]
     assert call["spec"]["checks"][1]["params"]["groups"] == ["tp", "cp", "dp-cp"]
     sweep = call["spec"]["checks"][3]["params"]
-    assert sweep["sizes"] == [1024, 16384, 262144]
+    assert sweep["sizes"] == [1024, 262144]
     assert sweep["groups"] == ["tp", "cp", "dp", "pp", "dp-cp", "world"]
     assert report["ok"] is True and report["ranks"] == 4
     assert report["layout"]["tp"] == 2

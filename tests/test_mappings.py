@@ -368,3 +368,11 @@ def test_groups_with_the_same_ranks_run_once():
 
     got = mchecks._groups_of(FakeManager(), ["tp", "cp", "dp-cp", "dp", "pp"])
     assert list(got) == ["tp", "cp=dp-cp", "dp", "pp"]
+
+
+def test_group_relative_shapes_fit_every_group_size():
+    from mindscience.distributed.harness.checks.mappings import _resolve_shape
+
+    assert _resolve_shape(["G", 3, "2G"], 4) == [4, 3, 8]
+    assert _resolve_shape(["G", 3, "2G"], 8) == [8, 3, 16]
+    assert _resolve_shape([5, "3g"], 2) == [5, 6]

@@ -169,9 +169,11 @@ def verify(
     checks: str = typer.Option("correctness,bandwidth", "--checks", help="What to run: correctness, bandwidth or both."),
     quick: bool = typer.Option(False, "--quick", help="Bandwidth at one small size only."),
     min_bytes: str = typer.Option("1K", "--min-bytes", "-b", help="Smallest size of the sweep (nccl-tests -b)."),
-    max_bytes: str = typer.Option("1M", "--max-bytes", "-e", help="Largest size of the sweep (nccl-tests -e)."),
-    factor: int = typer.Option(16, "--factor", "-f", help="Size multiplier between steps (nccl-tests -f)."),
-    iters: int = typer.Option(5, "--iters", "-n", help="Timed iterations per size."),
+    # Default: a latency point and a bandwidth point. On an oversubscribed CPU every call
+    # costs ~40 ms of latency, so each extra size adds seconds; sweep wider with -b/-e/-f.
+    max_bytes: str = typer.Option("256K", "--max-bytes", "-e", help="Largest size of the sweep (nccl-tests -e)."),
+    factor: int = typer.Option(256, "--factor", "-f", help="Size multiplier between steps (nccl-tests -f)."),
+    iters: int = typer.Option(3, "--iters", "-n", help="Timed iterations per size."),
     warmup: int = typer.Option(1, "--warmup", "-w", help="Untimed iterations per size."),
     dtype: str = typer.Option("float32", "--dtype", "-d", help="float32, float16 or bfloat16."),
     min_busbw: Optional[float] = typer.Option(None, "--min-busbw", help="Fail (exit 1) below this busbw (GB/s) at the largest size."),

@@ -226,6 +226,21 @@ def _layout_label(lay) -> str:
 
 
 # ------------------------------------------------------------------ mappings.all
+def _resolve_shape(shape, G: int) -> list[int]:
+    """A global shape whose entries may be multiples of the group size: ``["G", 3, "2G"]``.
+
+    Lets one spec (e.g. ``msdist verify``'s) fit groups of every size.
+    """
+    dims = []
+    for dim in shape:
+        if isinstance(dim, str) and dim.strip().upper().endswith("G"):
+            factor = dim.strip()[:-1]
+            dims.append((int(factor) if factor else 1) * G)
+        else:
+            dims.append(int(dim))
+    return dims
+
+
 def run_mappings(groups, dtypes=DTYPES, shapes=None, mappings=MAPPING_NAMES, seed=0,
                  group_api="object", extra=None) -> list[dict]:
     """Run every (group, mapping, dtype, shape) combination; see ``mappings.all``.
@@ -251,7 +266,7 @@ def run_mappings(groups, dtypes=DTYPES, shapes=None, mappings=MAPPING_NAMES, see
             arg = group.group_name
         elif group_api not in ("object", "name"):
             raise ValueError(f"group_api={group_api!r} is invalid: expected 'object' or 'name'")
-        group_shapes = shapes or [[2 * G, 2 * G], [G, 3, 2 * G]]
+        group_shapes = [_resolve_shape(s, G) for s in shapes] if shapes else [[2 * G, 2 * G], [G, 3, 2 * G]]
         for mi, name in enumerate(mappings):
             fn = _mapping_fn(name)
             for di, dtype in enumerate(dtypes):
