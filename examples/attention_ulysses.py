@@ -27,12 +27,8 @@ before being compared with the dense gradients. Exits 1 on a mismatch.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-import numpy as np
-
-import mindspore as ms
 from mindspore import mint, nn
 
 import _common as C
@@ -62,33 +58,11 @@ class UlyssesAttention(nn.Cell):
 def run(seq_len: int = 8, batch: int = 2, d_model: int = 16, num_heads: int = 4,
         causal: bool = True, seed: int = 0, atol: float = C.ATOL) -> dict:
     """Compare with the dense model on this rank; the parallel groups must exist."""
-    cp = C.cp_group()
-    rng = np.random.default_rng(seed)
-    x = ms.Tensor(rng.standard_normal((seq_len, batch, d_model)), ms.float32)
-    cot = ms.Tensor(rng.standard_normal((seq_len, batch, d_model)), ms.float32)
-
-    ms.set_seed(seed)
-    dense = C.DenseAttention(d_model, num_heads, causal)
-    ms.set_seed(seed)
-    par = UlyssesAttention(d_model, num_heads, causal)
-
-    d_out, d_dx, d_g = C.forward_backward(dense, x, cot)
-    p_out, p_dx, p_g = C.forward_backward(par, C.rows(x, cp), C.rows(cot, cp))
-    p_g = C.all_reduce_grads(p_g, cp)
-    errors = {"output": C.max_abs(p_out, C.rows(d_out, cp)),
-              "grad x": C.max_abs(p_dx, C.rows(d_dx, cp))}
-    errors.update({f"grad {name}": C.max_abs(p_g[name], d_g[name]) for name in sorted(d_g)})
-    return C.result("examples.attention_ulysses", errors, atol, cp=cp.size)
+    return C.compare_cp_attention("examples.attention_ulysses", UlyssesAttention, seq_len, batch, d_model, num_heads, causal, seed, atol)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cp", type=int, default=None, help="context-parallel size (default: all ranks)")
-    args = parser.parse_args(argv)
-    from mindspore.communication import get_group_size
-
-    C.setup(context_parallel_size=args.cp or get_group_size())
-    return C.report(run())
+    return C.cp_main(run, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
