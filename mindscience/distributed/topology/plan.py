@@ -75,9 +75,10 @@ def rank_rows(layout: Layout) -> list[dict]:
     """
     world, dpn = layout.world_size, layout.devices_per_node
     ranks = range(world)
-    columns = {
-        axis: [(r // layout.stride(axis)) % getattr(layout, axis) for r in ranks] for axis in AXES
-    }
+    columns = {}
+    for axis in AXES:
+        stride, size = layout.stride(axis), getattr(layout, axis)
+        columns[axis] = [(r // stride) % size for r in ranks]
     nodes = [r // dpn for r in ranks]
     locals_ = [r % dpn for r in ranks]
     tp, cp, dp, pp = (columns[a] for a in AXES)

@@ -21,9 +21,9 @@ import time
 import numpy as np
 
 from ..registry import CheckContext, check
+from .groups import distinct_groups
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-WORLD_KEY = "tp-cp-dp-pp"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Relative tolerance per dtype: values are exact small integers; this only absorbs
 # rounding when sums grow past what bfloat16/float16 hold exactly in huge groups.
@@ -78,36 +78,10 @@ def _run(op: str, x, g):
     return C.all_to_all(x, g, -1, 0)
 
 
-def _distinct_groups(keys):
-    """Groups of size > 1 for ``keys``, one per distinct membership, with their labels.
-
-    ``dp-cp`` equals ``cp`` when dp == 1: it is measured once and labelled ``cp=dp-cp``.
-    """
-    from mindscience.distributed import manager
-
-    labelled: dict[tuple, list] = {}
-    for key in keys:
-        group = manager.get_group(WORLD_KEY if key == "world" else key)
-        if group.size > 1:
-            labelled.setdefault(group.ranks, [key, group])
-            if key not in labelled[group.ranks][0].split("="):
-                labelled[group.ranks][0] += f"={key}"
-    return [(label, group) for label, group in labelled.values()]
-
-
 def _numel(nbytes: int, dtype: str, group_size: int) -> int:
     # Round down to whole elements, a multiple of the group size, at least G.
     n = max(nbytes // DTYPE_BYTES[dtype], group_size)
     return n - n % group_size
-
-
-def sizes_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
-    """nccl-tests' ``-b/-e/-f`` sweep: min, min*f, ... up to max."""
-    sizes, size = [], min_bytes
-    while size <= max_bytes:
-        sizes.append(size)
-        size *= factor
-    return sizes
 
 
 @check("bandwidth.sweep")
@@ -131,7 +105,11 @@ def bandwidth_sweep(
     # The first synchronize() of a CPU process returns at once (it only logs that CPU is
     # "not supported"); spend it here so that every timed loop below really waits.
     ms.runtime.synchronize()
-    for label, g in _distinct_groups(groups):
+    from mindscience.distributed import manager
+
+    for label, g in distinct_groups(manager, groups).items():
+        if g.size == 1:
+            continue  # nothing moves
         barrier = ms.Tensor(np.ones(g.size, np.float32))
         for op in ops:
             for nbytes in sizes:

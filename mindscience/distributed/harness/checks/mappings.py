@@ -59,6 +59,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import CheckContext, check
+from .groups import distinct_groups
 
 MAPPING_NAMES = (
     "copy_to_all",
@@ -344,23 +345,12 @@ def run_mappings(groups, dtypes=DTYPES, shapes=None, mappings=MAPPING_NAMES, see
 
 
 def _groups_of(manager, keys) -> dict:
-    """``{label: group}`` for ``keys`` (default: every axis of size > 1).
-
-    Keys whose groups of size > 1 hold the same ranks (``dp-cp`` and ``cp`` when
-    dp == 1) run once, labelled like the bandwidth sweep does: ``"cp=dp-cp"``.
-    """
+    """``{label: group}`` for ``keys`` (default: every axis of size > 1), see
+    :func:`~mindscience.distributed.harness.checks.groups.distinct_groups`."""
     if keys is None:
         lay = manager.get_layout()
         keys = [k for k in AXIS_KEYS if lay.size(k) > 1]
-    labelled: dict = {}
-    for key in keys:
-        group = manager.get_group(key)
-        ident = group.ranks if group.size > 1 else key
-        if ident in labelled:
-            labelled[ident][0] += f"={key}"
-        else:
-            labelled[ident] = [key, group]
-    return {label: group for label, group in labelled.values()}
+    return distinct_groups(manager, keys)
 
 
 @check("mappings.all")
