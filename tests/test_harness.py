@@ -203,6 +203,42 @@ def test_stop_job_kills_detached_processes_by_job_id(tmp_path):
         stop_job(job_id, [parent])
 
 
+def test_a_fork_of_the_scheduler_is_not_taken_for_the_scheduler(tmp_path):
+    """MindSpore's import forks; until it execs, the child looks like its parent.
+
+    Taken for the scheduler, its exit ended a healthy job as an infra failure.
+    """
+    job_id = uuid.uuid4().hex
+    code = textwrap.dedent("""
+        import os, time
+        if os.fork() == 0:
+            time.sleep(1.0)
+            os._exit(0)
+        time.sleep(600)
+    """)
+    env = {**os.environ, launcher.JOB_ENV: job_id, "MS_ROLE": "MS_SCHED"}
+    sched = subprocess.Popen([sys.executable, "-c", code, launcher.WORKER_SCRIPT], env=env)
+    monitor = launcher._Monitor(
+        job_id=job_id, launchers=[], helpers=[], expected=[0], whole_world=True,
+        out_dir=str(tmp_path), log_dirs=[], launcher_logs=[], timeout=60,
+        on_progress=None, total=1)
+    try:
+        assert _wait_until(lambda: len(job_processes(job_id=job_id)) == 2, 10)
+        monitor._scan()
+        assert monitor.schedulers == {sched.pid: None}
+        assert _wait_until(lambda: len(job_processes(job_id=job_id)) == 1, 10)  # the fork ended
+        monitor._scan()
+        monitor._check_launchers()
+        assert monitor.infra == []
+        sched.kill()
+        assert _wait_until(lambda: not launcher._alive(sched.pid), 10)
+        monitor._check_launchers()
+        assert monitor.infra == [f"the scheduler (pid {sched.pid}) ended with exit code -9 (SIGKILL) "
+                                 "before the ranks finished"]
+    finally:
+        stop_job(job_id, [sched])
+
+
 # ----------------------------------------------------------------------------- real msrun jobs
 def _processes_mentioning(text):
     """Pids of live processes whose command line contains ``text`` (a job's run folder)."""

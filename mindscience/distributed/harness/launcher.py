@@ -466,6 +466,11 @@ def _alive(pid: int) -> bool:
     return stat is not None and stat[0] not in ("Z", "X")
 
 
+def _parent(pid: int) -> Optional[int]:
+    stat = _proc_stat(pid)
+    return int(stat[1]) if stat else None
+
+
 def _zombie_exit_code(pid: int) -> Optional[int]:
     """Exit code of a dead, not yet reaped process (as Popen reports it), else None."""
     stat = _proc_stat(pid)
@@ -715,9 +720,14 @@ class _Monitor:
     def _scan(self) -> None:
         """Find this job's live rank and scheduler processes (``self.live``, ``self.schedulers``)."""
         self.live = {}
-        for pid, env in job_processes(job_id=self.job_id).items():
-            if WORKER_SCRIPT not in _proc_cmdline(pid):
-                continue  # msrun itself, or anything else that inherited the job id
+        found = {pid: env for pid, env in job_processes(job_id=self.job_id).items()
+                 if WORKER_SCRIPT in _proc_cmdline(pid)}  # not msrun, nor what it runs
+        for pid, env in found.items():
+            if _parent(pid) in found:
+                # A fork of a rank or of the scheduler (MindSpore's import runs
+                # subprocesses) has its parent's command line and environment until it
+                # execs; taken for the scheduler, its exit would end the job.
+                continue
             role, rank = env.get("MS_ROLE"), env.get("RANK_ID", "")
             if role == "MS_WORKER" and rank.isdigit():
                 self.live[int(rank)] = pid
