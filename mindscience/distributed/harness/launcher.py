@@ -720,8 +720,10 @@ class _Monitor:
     def _scan(self) -> None:
         """Find this job's live rank and scheduler processes (``self.live``, ``self.schedulers``)."""
         self.live = {}
+        # Ranks and schedulers only: not msrun (whose command line names the script too),
+        # nor anything else that inherited the job id.
         found = {pid: env for pid, env in job_processes(job_id=self.job_id).items()
-                 if WORKER_SCRIPT in _proc_cmdline(pid)}  # not msrun, nor what it runs
+                 if env.get("MS_ROLE") and WORKER_SCRIPT in _proc_cmdline(pid)}
         for pid, env in found.items():
             if _parent(pid) in found:
                 # A fork of a rank or of the scheduler (MindSpore's import runs
