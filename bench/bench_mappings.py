@@ -161,8 +161,7 @@ def render(rows: list[dict], world: int) -> str:
          "max abs diff: grad vs by-hand dx.")
     emit("(c) compositions and alternatives", "first", "second", "c",
          "ratio = first / second, both from `what`. `C` = mindscience.distributed.collectives, "
-         "`md` = mindspore.mint.distributed. 'proposed' rows time a cheaper implementation "
-         "written in the bench module (max abs diff: its output vs the library's).")
+         "`md` = mindspore.mint.distributed.")
     return "\n".join(lines)
 
 

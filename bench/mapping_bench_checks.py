@@ -10,7 +10,7 @@ Registers the harness check ``bench.mappings``. Every rank builds tp = world (4 
   it, backward collective applied to ``dy``), plus the loss alone as a baseline;
 * section ``c``: the CPU compositions vs all-reduce / all-gather of the same tensor,
   all-gather along the last dim vs dim 0, the library's collectives vs raw
-  ``mindspore.mint.distributed`` calls, and a slice-before-cat all-to-all.
+  ``mindspore.mint.distributed`` calls.
 
 Size convention (nccl-tests' meaning of "size", F = ``size_mib`` MiB float32 =
 ``(S, H)`` with ``H = 4096``, ``S = F / (4 H)``, i.e. (1024, 4096) at 16 MiB; G = 4):
@@ -219,34 +219,11 @@ def bench_mappings(
             md.all_reduce(buf, "sum", g.group_name)  # in place, no copy (values grow; timing only)
             return buf
 
-        outs_seq = [ops.zeros(seq.shape, seq.dtype) for _ in range(G)]
+        outs_seq = [mint.empty(seq.shape, dtype=seq.dtype) for _ in range(G)]
 
         def raw_all_gather_list():
             md.all_gather(outs_seq, seq, g.group_name)  # preallocated list, no cat
             return None
-
-        def a2a_slice_then_cat(x, split_dim, concat_dim):
-            # Proposed composition: gather into a list, slice each piece, cat only the
-            # slices (the current one cats the whole G*F tensor, then slices it).
-            parts = [ops.zeros(x.shape, x.dtype) for _ in range(G)]
-            md.all_gather(parts, x, g.group_name)
-            n = x.shape[split_dim] // G
-            return ops.cat([ops.narrow(p, split_dim, r * n, n) for p in parts], concat_dim)
-
-        def ag_empty(x, dim):
-            # Proposed all_gather: uninitialised output buffers (mint.empty) instead of
-            # ops.zeros, which writes G*|x| bytes that the gather overwrites anyway.
-            parts = [mint.empty(x.shape, dtype=x.dtype) for _ in range(G)]
-            md.all_gather(parts, x, g.group_name)
-            return ops.cat(parts, dim)
-
-        def ar_copy_(x):
-            # Proposed all_reduce: a plain copy (mint.empty + Tensor.copy_, a memcpy that
-            # works for float32/float16/bfloat16 on CPU) instead of Tensor.copy(), which
-            # MindSpore implements as astype(float32) + x / 1.0 + astype(back): 3 kernels.
-            y = mint.empty(x.shape, dtype=x.dtype).copy_(x.contiguous())
-            md.all_reduce(y, "sum", g.group_name)
-            return y
 
         rows = [
             ("reduce_scatter (composed)", "C.reduce_scatter (S,H) vs C.all_reduce (S,H)",
@@ -261,16 +238,8 @@ def bench_mappings(
              lambda: C.all_gather(seq, g, -1), lambda: C.all_gather(seq, g, 0), False),
             ("C.all_reduce vs raw", "C.all_reduce (copy + in-place) vs md.all_reduce in place, (S,H)",
              lambda: C.all_reduce(full, g), raw_all_reduce_inplace, False),
-            ("C.all_gather vs raw", "C.all_gather(x,0) (zeros+gather+cat) vs md.all_gather into a kept list, x=(S/G,H)",
+            ("C.all_gather vs raw", "C.all_gather(x,0) (empty buffers+gather+cat) vs md.all_gather into a kept list, x=(S/G,H)",
              lambda: C.all_gather(seq, g, 0), raw_all_gather_list, False),
-            ("proposed all_to_all (slice, then cat)", "C.all_to_all(x,0,-1) vs slice-before-cat, x=(S,H)",
-             lambda: C.all_to_all(full, g, 0, -1), lambda: a2a_slice_then_cat(full, 0, -1), True),
-            ("proposed all_gather (mint.empty buffers)",
-             "C.all_gather(x,0) vs mint.empty buffers + gather + cat, x=(S/G,H)",
-             lambda: C.all_gather(seq, g, 0), lambda: ag_empty(seq, 0), True),
-            ("proposed all_reduce (empty + copy_)",
-             "C.all_reduce (Tensor.copy) vs mint.empty().copy_(x) + md.all_reduce, (S,H)",
-             lambda: C.all_reduce(full, g), lambda: ar_copy_(full), True),
         ]
         for name, what, fa, fb, compare in rows:
             record("c", name, what, fa, fb, compare=compare)
