@@ -131,3 +131,17 @@ def test_double_init_and_bad_sizes(fake_backend):
         manager.initialize_parallel(2)
     with pytest.raises(ValueError, match="unknown axis"):
         manager.get_group("tp-ep")
+
+
+def test_package_level_exports_are_the_module_functions():
+    """``from mindscience.distributed import initialize_parallel`` works as upstream's does."""
+    import mindscience.distributed as dist
+    from mindscience.distributed import initialize_parallel, modules
+
+    assert initialize_parallel is manager.initialize_parallel
+    assert dist.ColumnParallelLinear is modules.ColumnParallelLinear
+    assert dist.RowParallelLinear is modules.RowParallelLinear
+    assert dist.initialize_affine_weight is modules.initialize_affine_weight
+    assert {"initialize_parallel", "ColumnParallelLinear", "mappings"} <= set(dir(dist))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        dist.nope

@@ -207,6 +207,7 @@ def test_topology_and_plan_never_import_mindspore():
         "import mindscience.distributed.topology as t\n"
         "import mindscience.distributed.topology.plan as p\n"
         "import mindscience.distributed.group\n"
+        "from mindscience.distributed import initialize_parallel\n"
         "import mscli.main\n"
         "l = t.Layout(world_size=64, tp=4, cp=2, pp=2, devices_per_node=8)\n"
         "p.build_plan(l)\n"

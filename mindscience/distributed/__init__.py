@@ -4,16 +4,34 @@ Submodules load lazily so that the pure parts (``topology``, ``group``) never pu
 MindSpore in: ``msdist plan`` starts in a fraction of a second.
 
     from mindscience.distributed import manager, mappings, modules
+    from mindscience.distributed import initialize_parallel, ColumnParallelLinear
 """
 
 import importlib
 
 _SUBMODULES = ("topology", "group", "manager", "collectives", "mappings", "modules", "harness")
 
-__all__ = list(_SUBMODULES)
+# Names re-exported at the package level (upstream exports initialize_parallel here),
+# each loaded from its module on first access.
+_EXPORTS = {
+    "initialize_parallel": "manager",
+    "destroy_parallel": "manager",
+    "is_initialized": "manager",
+    "ColumnParallelLinear": "modules",
+    "RowParallelLinear": "modules",
+    "initialize_affine_weight": "modules",
+}
+
+__all__ = list(_SUBMODULES) + list(_EXPORTS)
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
