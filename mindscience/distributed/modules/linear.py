@@ -93,6 +93,44 @@ class _ParallelLinear(nn.Cell):
         self._cpu = ms.get_context("device_target") == "CPU"
         self._dense = ops.Dense()
 
+    def _init_params(self, in_features, out_features, bias, split_dim, weight_init, bias_init,
+                     param_init_dtype) -> None:
+        """Check the sizes, then draw ``weight`` and ``bias`` (None without bias).
+
+        ``split_dim`` is the weight dim sharded over tp: 0 splits the output features
+        (Column; the bias is split with them), 1 the input features (Row; the bias is
+        whole on every rank).
+        """
+        cls = type(self).__name__
+        _check_positive(cls, in_features=in_features, out_features=out_features)
+        key, size, kind = (("out_features", out_features, "output"),
+                           ("in_features", in_features, "input"))[split_dim]
+        if size % self.tp_size:
+            raise ValueError(
+                f"{cls}: {key}={size} is not divisible by the tensor-parallel size "
+                f"{self.tp_size} (group {list(self.group.ranks)}): each rank holds "
+                f"{key}/{self.tp_size} {kind} features. Choose {key} as a multiple of "
+                f"{self.tp_size}, or another tp size."
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bool(bias)
+        self._parallel = self.tp_size > 1
+        # Weight first, then bias, each drawn in full: the same global-RNG draws as
+        # mint.nn.Linear, so the shards re-assemble to its tensors.
+        self.weight = initialize_affine_weight(
+            (out_features, in_features), self.tp_size, split_dim,
+            default_weight_init() if weight_init is None else weight_init,
+            param_init_dtype, tp_rank=self.tp_rank, name="weight",
+        )
+        self.bias = None
+        if self.has_bias:
+            self.bias = initialize_affine_weight(
+                (out_features,), self.tp_size if split_dim == 0 else 1, 0,
+                default_bias_init(in_features) if bias_init is None else bias_init,
+                param_init_dtype, tp_rank=self.tp_rank, name="bias",
+            )
+
     def _local_linear(self, x, bias):
         """``x @ self.weight.T (+ bias)`` in compute_dtype; the result has ``x``'s dtype."""
         out_dtype = x.dtype
@@ -211,36 +249,11 @@ class ColumnParallelLinear(_ParallelLinear):
         group: Optional[GroupLike] = None,
     ):
         super().__init__(group, compute_dtype, skip_bias_add)
-        _check_positive(type(self).__name__, in_features=in_features, out_features=out_features)
-        if out_features % self.tp_size:
-            raise ValueError(
-                f"ColumnParallelLinear: out_features={out_features} is not divisible by the "
-                f"tensor-parallel size {self.tp_size} (group {list(self.group.ranks)}): each "
-                f"rank holds out_features/{self.tp_size} output features. Choose "
-                f"out_features as a multiple of {self.tp_size}, or another tp size."
-            )
-        self.in_features = in_features
-        self.out_features = out_features
-        self.out_features_per_partition = out_features // self.tp_size
-        self.has_bias = bool(bias)
         self.gather_output = bool(gather_output)
         self.use_sequence_parallel = bool(use_sequence_parallel)
-
-        # Weight first, then bias, each drawn in full: the same global-RNG draws as
-        # mint.nn.Linear, so the shards re-assemble to its tensors.
-        self.weight = initialize_affine_weight(
-            (out_features, in_features), self.tp_size, 0,
-            default_weight_init() if weight_init is None else weight_init,
-            param_init_dtype, tp_rank=self.tp_rank, name="weight",
-        )
-        self.bias = None
-        if self.has_bias:
-            self.bias = initialize_affine_weight(
-                (out_features,), self.tp_size, 0,
-                default_bias_init(in_features) if bias_init is None else bias_init,
-                param_init_dtype, tp_rank=self.tp_rank, name="bias",
-            )
-        self._parallel = self.tp_size > 1
+        self._init_params(in_features, out_features, bias, 0, weight_init, bias_init,
+                          param_init_dtype)
+        self.out_features_per_partition = out_features // self.tp_size
 
     def construct(self, x):
         self._check_last_dim(
@@ -346,36 +359,13 @@ class RowParallelLinear(_ParallelLinear):
         group: Optional[GroupLike] = None,
     ):
         super().__init__(group, compute_dtype, skip_bias_add)
-        _check_positive(type(self).__name__, in_features=in_features, out_features=out_features)
-        if in_features % self.tp_size:
-            raise ValueError(
-                f"RowParallelLinear: in_features={in_features} is not divisible by the "
-                f"tensor-parallel size {self.tp_size} (group {list(self.group.ranks)}): each "
-                f"rank holds in_features/{self.tp_size} input features. Choose in_features "
-                f"as a multiple of {self.tp_size}, or another tp size."
-            )
-        self.in_features = in_features
-        self.out_features = out_features
-        self.in_features_per_partition = in_features // self.tp_size
-        self.has_bias = bool(bias)
         self.input_is_parallel = bool(input_is_parallel)
         self.use_sequence_parallel = bool(use_sequence_parallel)
-
-        self.weight = initialize_affine_weight(
-            (out_features, in_features), self.tp_size, 1,
-            default_weight_init() if weight_init is None else weight_init,
-            param_init_dtype, tp_rank=self.tp_rank, name="weight",
-        )
-        self.bias = None
-        if self.has_bias:
-            self.bias = initialize_affine_weight(
-                (out_features,), 1, 0,
-                default_bias_init(in_features) if bias_init is None else bias_init,
-                param_init_dtype, name="bias",
-            )
-            if self.use_sequence_parallel:
-                self.bias.sequence_parallel = True
-        self._parallel = self.tp_size > 1
+        self._init_params(in_features, out_features, bias, 1, weight_init, bias_init,
+                          param_init_dtype)
+        self.in_features_per_partition = in_features // self.tp_size
+        if self.bias is not None and self.use_sequence_parallel:
+            self.bias.sequence_parallel = True
 
     def construct(self, x):
         if self.input_is_parallel:
