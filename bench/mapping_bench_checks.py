@@ -227,22 +227,23 @@ def bench_mappings(
 
         rows = [
             ("reduce_scatter (composed)", "C.reduce_scatter (S,H) vs C.all_reduce (S,H)",
-             lambda: C.reduce_scatter(full, g), lambda: C.all_reduce(full, g), False),
+             lambda: C.reduce_scatter(full, g), lambda: C.all_reduce(full, g)),
             ("all_to_all split 0 concat -1 (composed)",
              "C.all_to_all(x,0,-1) vs C.all_gather(x,-1), x=(S,H)",
-             lambda: C.all_to_all(full, g, 0, -1), lambda: C.all_gather(full, g, -1), False),
+             lambda: C.all_to_all(full, g, 0, -1), lambda: C.all_gather(full, g, -1)),
             ("all_to_all split -1 concat 0 (composed)",
              "C.all_to_all(x,-1,0) vs C.all_gather(x,0), x=(S,H)",
-             lambda: C.all_to_all(full, g, -1, 0), lambda: C.all_gather(full, g, 0), False),
+             lambda: C.all_to_all(full, g, -1, 0), lambda: C.all_gather(full, g, 0)),
             ("all_gather dim -1 vs dim 0", "C.all_gather(x,-1) vs C.all_gather(x,0), x=(S/G,H) ->F",
-             lambda: C.all_gather(seq, g, -1), lambda: C.all_gather(seq, g, 0), False),
+             lambda: C.all_gather(seq, g, -1), lambda: C.all_gather(seq, g, 0)),
             ("C.all_reduce vs raw", "C.all_reduce (copy + in-place) vs md.all_reduce in place, (S,H)",
-             lambda: C.all_reduce(full, g), raw_all_reduce_inplace, False),
+             lambda: C.all_reduce(full, g), raw_all_reduce_inplace),
             ("C.all_gather vs raw", "C.all_gather(x,0) (empty buffers+gather+cat) vs md.all_gather into a kept list, x=(S/G,H)",
-             lambda: C.all_gather(seq, g, 0), raw_all_gather_list, False),
+             lambda: C.all_gather(seq, g, 0), raw_all_gather_list),
         ]
-        for name, what, fa, fb, compare in rows:
-            record("c", name, what, fa, fb, compare=compare)
+        for name, what, fa, fb in rows:
+            # Different outputs by design (in-place sums, kept lists): timing only.
+            record("c", name, what, fa, fb, compare=False)
 
     # The input must survive every in-place backend call (md.all_reduce on copies).
     records.append({"check": "bench.mappings", "section": "sanity", "mapping": "input unchanged",
