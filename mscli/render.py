@@ -244,13 +244,16 @@ def correctness_table(rows: list[dict]) -> Table:
     table = Table(title="correctness", title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("check", style="bold")
     table.add_column("group")
+    table.add_column("mode")
     table.add_column("result")
     table.add_column("max error", justify="right")
     table.add_column("failed ranks")
     for row in rows:
         result = Text("pass", style="green") if row["passed"] else Text("FAIL", style="bold red")
+        check = row["check"] + (" (uneven)" if row.get("split") == "uneven" else "")
+        error = "-" if row.get("max_error") is None else f"{row['max_error']:.3g}"
         table.add_row(
-            row["check"], row["group"], result, f"{row['max_error']:.3g}",
+            check, row["group"], row.get("mode") or "pynative", result, error,
             ", ".join(map(str, row.get("failed_ranks", []))),
         )
     return table

@@ -14,6 +14,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 BANDWIDTH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 BANDWIDTH_GROUPS = ("tp", "cp", "dp", "pp", "dp-cp", "world")
 MAPPING_GROUPS = ("tp", "cp", "dp", "pp", "dp-cp")
+MODES = ("pynative", "jit", "graph")
+DEFAULT_MODES = ("pynative", "jit")
+ROW_KEY = ("check", "group", "mode", "split")
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -32,6 +35,18 @@ def parse_checks(text: str) -> tuple[str, ...]:
             f"{', '.join(CHECK_KINDS)}, e.g. 'correctness,bandwidth'."
         )
     return kinds
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``"pynative,jit"`` -> ``("pynative", "jit")``; each of :data:`MODES` at most once."""
+    modes = tuple(dict.fromkeys(m.strip().lower() for m in str(text).split(",") if m.strip()))
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(
+            f"--mode {text!r} is invalid: expected a comma-separated subset of "
+            f"{', '.join(MODES)}, e.g. 'pynative,jit'."
+        )
+    return modes
 
 
 def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -74,8 +89,14 @@ def build_spec(
     warmup: int = 1,
     dtype: str = "float32",
     fault: dict | None = None,
+    modes=DEFAULT_MODES,
 ) -> dict:
-    """The worker spec: named checks each rank runs, in order."""
+    """The worker spec: named checks each rank runs, in order.
+
+    ``modes`` are the execution modes of the correctness battery: every mapping runs in
+    each (PyNative, ``ms.jit``, GRAPH_MODE), the layers against the dense layer in
+    PyNative and, for compiled modes, against PyNative too (``layers.modes``).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is invalid: expected one of {', '.join(DTYPES)}.")
     if iters < 1 or warmup < 0:
@@ -85,14 +106,28 @@ def build_spec(
     if fault:
         checks.append({"name": fault["name"], "params": fault["params"]})
     if CORRECTNESS in kinds:
+        modes = list(modes)
+        bad = [m for m in modes if m not in MODES]
+        if bad or not modes:
+            raise ValueError(f"modes {modes!r} are invalid: expected a subset of {', '.join(MODES)}.")
         # One 3-D shape exercises both the first and the last dim; sized per group.
         checks.append(
-            {"name": "mappings.all", "params": {"groups": active, "dtypes": [dtype], "shapes": [["G", 3, "2G"]]}}
+            {"name": "mappings.all", "params": {"groups": active, "dtypes": [dtype],
+                                                "shapes": [["G", 3, "2G"]], "modes": modes}}
+        )
+        # Each sequence mapping once more on an uneven sequence (S = 2G + 1).
+        checks.append(
+            {"name": "mappings.all", "params": {"groups": active, "dtypes": [dtype],
+                                                "shapes": [["G", 3, "2G"]], "modes": modes,
+                                                "split_sizes": "auto"}}
         )
         if layout.tp > 1:
             # Every bias x gather/input_is_parallel x sequence-parallel configuration;
             # skip_bias_add only reorders the same numbers and is left to the test suite.
             checks.append({"name": "layers.dense_equivalence", "params": {"skip_bias_add": False}})
+            compiled = [m for m in modes if m != "pynative"]
+            if compiled:
+                checks.append({"name": "layers.modes", "params": {"modes": compiled}})
     if BANDWIDTH in kinds:
         checks.append(
             {
@@ -119,14 +154,17 @@ def _records(ranks: dict):
 
 
 def correctness_rows(ranks: dict) -> list[dict]:
-    """check x group rows: passed on every rank (and every dtype/shape), worst error."""
+    """check x group x mode (x even/uneven split) rows: passed on every rank (and every
+    dtype/shape), worst error."""
     from mindscience.distributed.harness.launcher import merge_records
 
+    # Records of checks that have no execution mode (groups, layouts) ran eagerly.
     without_bandwidth = {
-        rank: {"records": [r for r in (state or {}).get("records", []) if r.get("check") != "bandwidth"]}
+        rank: {"records": [{**r, "mode": r.get("mode") or "pynative"}
+                           for r in (state or {}).get("records", []) if r.get("check") != "bandwidth"]}
         for rank, state in ranks.items()
     }
-    return merge_records(without_bandwidth, key=("check", "group"))
+    return merge_records(without_bandwidth, key=ROW_KEY)
 
 
 def bandwidth_rows(ranks: dict) -> list[dict]:

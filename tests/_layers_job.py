@@ -22,6 +22,8 @@ SPEC = {
         {"name": "layers.matrix", "params": _TP4},
         {"name": "layers.column", "params": {**_TP4, "sequence_parallel": True, "compute_dtype": "bfloat16"}},
         {"name": "layers.row", "params": {**_TP4, "sequence_parallel": True, "compute_dtype": "bfloat16"}},
+        # compiled: ms.jit of the grad function, construct = ms.jit(construct), GRAPH_MODE
+        {"name": "layers.modes", "params": _TP2_CP2},
         {"name": "layers.init_exact", "params": _TP2_CP2},
         {"name": "layers.errors", "params": _TP2_CP2},
         {"name": "layers.matrix", "params": {**_TP2_CP2, "skip_bias_add": False}},

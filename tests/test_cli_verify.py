@@ -62,9 +62,14 @@ def test_default_runs_four_cpu_ranks_with_all_checks(fake):
     assert call["world_size"] == 4
     assert call["env"]["MSDIST_DEVICE_TARGET"] == "CPU"
     names = [c["name"] for c in call["spec"]["checks"]]
-    assert names == ["layout.init", "mappings.all", "layers.dense_equivalence", "bandwidth.sweep"]
-    assert call["spec"]["checks"][1]["params"]["groups"] == ["tp", "cp", "dp-cp"]
-    sweep = call["spec"]["checks"][3]["params"]
+    assert names == ["layout.init", "mappings.all", "mappings.all", "layers.dense_equivalence",
+                     "layers.modes", "bandwidth.sweep"]
+    even, uneven = call["spec"]["checks"][1]["params"], call["spec"]["checks"][2]["params"]
+    assert even["groups"] == ["tp", "cp", "dp-cp"]
+    assert even["modes"] == ["pynative", "jit"] and "split_sizes" not in even
+    assert uneven["split_sizes"] == "auto" and uneven["modes"] == ["pynative", "jit"]
+    assert call["spec"]["checks"][4]["params"]["modes"] == ["jit"]
+    sweep = call["spec"]["checks"][5]["params"]
     assert sweep["sizes"] == [1024, 262144]
     assert sweep["groups"] == ["tp", "cp", "dp", "pp", "dp-cp", "world"]
     assert report["ok"] is True and report["ranks"] == 4
@@ -76,8 +81,44 @@ def test_default_runs_four_cpu_ranks_with_all_checks(fake):
     assert ar["busbw_gbps"] == pytest.approx(ar["algbw_gbps"])
     rs = next(r for r in report["bandwidth"] if r["op"] == "reduce_scatter")
     assert rs["busbw_gbps"] == pytest.approx(rs["algbw_gbps"] * 0.5) and rs["composed"] is True
-    assert {"check": "mapping.copy_to_all", "group": "tp"}.items() <= report["correctness"][1].items()
+    assert {"check": "mapping.copy_to_all", "group": "tp", "mode": "pynative"}.items() <= report["correctness"][1].items()
     assert report["failures"] == []
+
+
+def _mode_record(rank, mode, passed=True):
+    return {"check": "mapping.copy_to_all", "group": "tp", "dtype": "float32", "mode": mode,
+            "split": "even", "passed": passed, "max_error": 0.0 if passed else 2.0, "rank": rank}
+
+
+def test_mode_option_and_one_row_per_mode(monkeypatch):
+    ranks = {r: {"rank": r, "status": "done",
+                 "records": [_mode_record(r, "pynative"), _mode_record(r, "jit", passed=r != 1),
+                             _mode_record(r, "graph")]} for r in range(4)}
+    launcher = FakeLaunch(ranks=ranks)
+    monkeypatch.setattr(harness, "launch", launcher)
+    result = runner.invoke(app, ["verify", "--mode", "pynative,jit,graph", "--checks", "correctness",
+                                 "--format", "json"])
+    assert result.exit_code == 1, result.output
+    spec = launcher.calls[0]["spec"]
+    assert spec["checks"][1]["params"]["modes"] == ["pynative", "jit", "graph"]
+    assert spec["checks"][-1]["name"] == "layers.modes"
+    assert spec["checks"][-1]["params"]["modes"] == ["jit", "graph"]
+    rows = {r["mode"]: r for r in json.loads(result.stdout)["correctness"]}
+    assert set(rows) == {"pynative", "jit", "graph"}
+    assert rows["jit"]["passed"] is False and rows["jit"]["failed_ranks"] == [1]
+    assert rows["pynative"]["passed"] and rows["graph"]["passed"]
+    rich = runner.invoke(app, ["verify", "--mode", "graph", "--checks", "correctness"])
+    assert "mode" in rich.stdout and "graph" in rich.stdout
+    pyn = [c for c in launcher.calls[-1]["spec"]["checks"] if c["name"] == "layers.modes"]
+    assert pyn and pyn[0]["params"]["modes"] == ["graph"]
+
+
+def test_pynative_only_runs_no_compiled_layer_check(fake):
+    runner.invoke(app, ["verify", "--mode", "pynative", "--format", "json"])
+    names = [c["name"] for c in fake.calls[-1]["spec"]["checks"]]
+    assert "layers.modes" not in names
+    assert all(c["params"]["modes"] == ["pynative"] for c in fake.calls[-1]["spec"]["checks"]
+               if c["name"] == "mappings.all")
 
 
 def test_rich_output_has_tables(fake):
@@ -197,6 +238,8 @@ def test_loopback_nodes(fake):
         (["no-such-layout"], "no such layout"),
         (["--output", "/no/such/dir/r.json"], "does not exist"),
         (["--inject-fault", "boom"], "--inject-fault 'boom'"),
+        (["--mode", "eager"], "--mode 'eager' is invalid"),
+        (["--mode", ""], "--mode '' is invalid"),
     ],
 )
 def test_bad_input_exit_2(fake, args, fragment):

@@ -38,6 +38,10 @@ REINIT_LAYOUTS_8 = [
     {"tp": 4, "pp": 2, "order": "pp-tp-cp-dp"},
 ]
 PLAN_KEYS = ["tp", "cp", "dp", "pp", "dp-cp"]
+SEQUENCE_MAPPINGS = list(mchecks.SEQUENCE_MAPPINGS)
+UNEVEN_LAYOUTS = [{"tp": 4}, {"cp": 4}]
+# S = G + 1, a zero-length shard, and a ragged split with an empty middle shard.
+UNEVEN_SPLITS = [[2, 1, 1, 1], [1, 1, 1, 0], [3, 0, 2, 1]]
 PLAN_KEYS_8 = PLAN_KEYS + ["tp-cp", "tp-dp-pp"]
 
 SPEC_4 = {
@@ -50,10 +54,31 @@ SPEC_4 = {
         # step 2: a backend group name (string) instead of the ParallelGroup.
         {"name": "mappings.all", "params": {"groups": ["tp"], "group_api": "name",
                                             "dtypes": ["float32", "bfloat16"], "shapes": [[4, 4]]}},
-        {"name": "mappings.errors", "params": {}},
+        {"name": "mappings.errors", "params": {"modes": ["jit", "graph"]}},
         {"name": "manager.errors", "params": {}},
         {"name": "manager.reinit", "params": {"layouts": REINIT_LAYOUTS_4, "keys": PLAN_KEYS,
                                               "shapes": [[4, 2, 4]]}},
+        # step 6: compiled: the whole value_and_grad under ms.jit, tp and cp.
+        {"name": "mappings.all", "params": {"modes": ["jit"], "dtypes": ["float32"],
+                                            "shapes": [["2G", 3, "2G"]]}},
+        # step 7: GRAPH_MODE, bfloat16 (the composed graph kernels cast where CPU must).
+        {"name": "mappings.all", "params": {"modes": ["graph"], "dtypes": ["bfloat16"],
+                                            "groups": ["tp"], "shapes": [["2G", 3, "2G"]]}},
+        # step 8: ragged sequence splits on groups of 4 ranks (tp=4, then cp=4).
+        {"name": "manager.reinit", "params": {"layouts": UNEVEN_LAYOUTS, "keys": ["tp", "cp"],
+                                              "mappings": SEQUENCE_MAPPINGS,
+                                              "split_sizes": UNEVEN_SPLITS,
+                                              "dtypes": ["float32", "bfloat16"],
+                                              "shapes": [[1, 3, 8]]}},
+        # step 9: a ragged split with an empty shard, compiled (jit fp32, graph bf16).
+        {"name": "manager.reinit", "params": {"layouts": [{"tp": 4}], "keys": ["tp"],
+                                              "mappings": SEQUENCE_MAPPINGS,
+                                              "split_sizes": [[3, 0, 2, 1]], "dtypes": ["float32"],
+                                              "shapes": [[1, 8]], "modes": ["jit"]}},
+        {"name": "manager.reinit", "params": {"layouts": [{"cp": 4}], "keys": ["cp"],
+                                              "mappings": SEQUENCE_MAPPINGS,
+                                              "split_sizes": [[2, 1, 1, 1]], "dtypes": ["bfloat16"],
+                                              "shapes": [[1, 8]], "modes": ["graph"]}},
     ],
 }
 SPEC_8 = {
@@ -98,7 +123,7 @@ class Records:
 
 @pytest.fixture(scope="module")
 def job4(tmp_path_factory):
-    return Records(_launch(SPEC_4, 4, tmp_path_factory, timeout=150), 4)
+    return Records(_launch(SPEC_4, 4, tmp_path_factory, timeout=420), 4)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +182,8 @@ def test_backend_group_name_string_is_accepted(job4):
 
 @pytest.mark.multiprocess
 def test_non_divisible_dims_raise_value_error_before_any_collective(job4):
-    recs = [r for r in job4.all() if r["check"].startswith("mapping_error.")]
+    recs = [r for r in job4.all() if r["check"].startswith("mapping_error.")
+            and "split_sizes" not in r["check"] and "compiled" not in r["check"]]
     assert len(recs) == 4 * 2 * 7  # ranks x groups (tp, cp) x cases
     _assert_passed(recs, "mapping errors")
     assert all(r["backend_calls"] == 0 for r in recs)
@@ -244,9 +270,85 @@ def test_reinit_mappings_on_every_layout(job4):
 def test_launcher_merge_keeps_layouts_apart(job4):
     from mindscience.distributed.harness import merge_records
 
-    rows = [r for r in merge_records(job4.result) if r["check"] == "manager.group_members"]
+    labels = {_label(item, 4)[1] for item in REINIT_LAYOUTS_4}
+    rows = [r for r in merge_records(job4.result) if r["check"] == "manager.group_members"
+            and r.get("case") in labels]
     assert len(rows) == len(REINIT_LAYOUTS_4) * len(PLAN_KEYS)
     assert all(r["passed"] and r["ranks"] == 4 for r in rows)
+
+
+# ---------------------------------------------------------------------------- modes
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("group", ["tp", "cp"])
+def test_every_mapping_under_jit_equals_numpy(job4, group):
+    """value_and_grad compiled with ms.jit: the same exact numbers as PyNative."""
+    recs = job4.all(step=6, group=group)
+    assert len(recs) == 4 * len(MAPPINGS)
+    assert {r["mode"] for r in recs} == {"jit"}
+    assert {r["check"] for r in recs} == {f"mapping.{m}" for m in MAPPINGS}
+    _assert_passed(recs, f"jit {group}")
+    assert all(r["max_error"] == 0.0 and r["autograd"] == "ms.value_and_grad" for r in recs)
+
+
+@pytest.mark.multiprocess
+def test_every_mapping_in_graph_mode_bfloat16(job4):
+    recs = job4.all(step=7)
+    assert len(recs) == 4 * len(MAPPINGS)
+    assert {(r["mode"], r["dtype"], r["group"]) for r in recs} == {("graph", "bfloat16", "tp")}
+    _assert_passed(recs, "graph bf16")
+    assert all(r["max_error"] == 0.0 for r in recs)
+
+
+@pytest.mark.multiprocess
+def test_pynative_and_compiled_agree(job4):
+    """Same mapping, group, dtype and global shape: the PyNative record (step 0) and the
+    jit record (step 6) both match numpy exactly, so they equal each other."""
+    jit = {(r["check"], r["group"], r.get("group_size")) for r in job4.all(step=6)}
+    eager = {(r["check"], r["group"], r.get("group_size")) for r in job4.all(step=0, dtype="float32")
+             if r["shape"] == [4, 3, 4]}
+    assert jit == eager
+
+
+@pytest.mark.multiprocess
+def test_compiled_errors_are_clear(job4):
+    recs = [r for r in job4.all() if r["check"].startswith("mapping_error.compiled_")]
+    assert len(recs) == 4 * 2 * 2 * 2  # ranks x groups x cases x modes (jit, graph)
+    _assert_passed(recs, "compiled errors")
+    msg = next(r["message"] for r in recs if r["check"] == "mapping_error.compiled_unknown_group_name")
+    assert "ms.jit" in msg and "ParallelGroup" in msg
+
+
+# ---------------------------------------------------------------------------- uneven
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["tp4-cp1-dp1-pp1:tp-cp-dp-pp", "tp1-cp4-dp1-pp1:tp-cp-dp-pp"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ragged_splits_forward_backward_on_4_rank_groups(job4, layout, dtype):
+    recs = [r for r in job4.all(step=8, layout=layout, dtype=dtype) if r["check"].startswith("mapping.")]
+    assert len(recs) == 4 * len(UNEVEN_SPLITS) * len(SEQUENCE_MAPPINGS)
+    assert {tuple(r["split_sizes"]) for r in recs} == {tuple(s) for s in UNEVEN_SPLITS}
+    assert {r["group_size"] for r in recs} == {4}
+    _assert_passed(recs, f"uneven {layout} {dtype}")
+    assert all(r["max_error"] == 0.0 for r in recs)
+    # Rank 3 of [1, 1, 1, 0] and rank 1 of [3, 0, 2, 1] hold an empty shard.
+    empty = [r for r in recs if 0 in (r["input_shape"][0], r["output_shape"][0])]
+    assert empty and all(r["passed"] for r in empty)
+
+
+@pytest.mark.multiprocess
+def test_ragged_splits_compiled(job4):
+    recs = [r for r in job4.all() if r["check"].startswith("mapping.") and r.get("split_sizes")
+            and r["mode"] != "pynative"]
+    assert {r["mode"] for r in recs} == {"jit", "graph"}
+    assert len(recs) == 4 * len(SEQUENCE_MAPPINGS) * 2
+    _assert_passed(recs, "uneven compiled")
+
+
+@pytest.mark.multiprocess
+def test_bad_split_sizes_raise_before_any_collective(job4):
+    recs = [r for r in job4.all() if r["check"].startswith("mapping_error.split_sizes.")]
+    assert len(recs) == 4 * 2 * 6  # ranks x groups x cases
+    _assert_passed(recs, "split size errors")
+    assert all(r["backend_calls"] == 0 for r in recs)
 
 
 # ---------------------------------------------------------------------------- 8 ranks
@@ -267,14 +369,112 @@ def test_8ranks_plan_equals_runtime(job8):
 # ---------------------------------------------------------------------------- one process
 @pytest.mark.parametrize("name", MAPPINGS)
 def test_reference_shapes_and_inverse_pairs(name):
+    from mindscience.distributed.harness.checks.mapping_reference import input_shape, output_shape
+
     G, shape = 2, (4, 3, 6)
-    in_shape = mchecks._input_shape(name, shape, G)
-    out_shape = mchecks._output_shape(name, in_shape, G)
-    xs = [np.full(in_shape, r + 1.0) for r in range(G)]
-    cs = [np.full(out_shape, 10.0 * (r + 1)) for r in range(G)]
-    for r in range(G):
-        out, grad = mchecks.reference(name, xs, cs, r)
-        assert out.shape == out_shape and grad.shape == in_shape
+    for sizes in (None, (3, 1), (4, 0)):
+        xs = [np.full(input_shape(name, shape, G, r, sizes), r + 1.0) for r in range(G)]
+        cs = [np.full(output_shape(name, shape, G, r, sizes), 10.0 * (r + 1)) for r in range(G)]
+        for r in range(G):
+            out, grad = mchecks.reference(name, xs, cs, r, sizes)
+            assert out.shape == cs[r].shape and grad.shape == xs[r].shape, (name, sizes, r)
+
+
+def test_reference_ragged_gather_and_reduce_scatter():
+    xs = [np.array([[1.0], [2.0], [3.0]]), np.array([[4.0]])]
+    out, _ = mchecks.reference("gather_from_sequence", xs, [np.zeros((4, 1))] * 2, 1, (3, 1))
+    np.testing.assert_array_equal(out, [[1.0], [2.0], [3.0], [4.0]])
+    full = [np.arange(4.0).reshape(4, 1), 10 * np.arange(4.0).reshape(4, 1)]
+    out0, _ = mchecks.reference("reduce_scatter_to_sequence", full, [np.zeros((3, 1)), np.zeros((1, 1))], 0, (3, 1))
+    out1, _ = mchecks.reference("reduce_scatter_to_sequence", full, [np.zeros((3, 1)), np.zeros((1, 1))], 1, (3, 1))
+    np.testing.assert_array_equal(out0, [[0.0], [11.0], [22.0]])
+    np.testing.assert_array_equal(out1, [[33.0]])
+
+
+def test_even_split_sizes_and_offsets():
+    from mindscience.distributed import mappings as M
+
+    assert M.even_split_sizes(1003, 4) == [251, 251, 251, 250]
+    assert M.even_split_sizes(5, 4) == [2, 1, 1, 1]
+    assert M.even_split_sizes(3, 4) == [1, 1, 1, 0]
+    assert M.even_split_sizes(8, 4) == [2, 2, 2, 2]
+    assert M.split_offsets([251, 251, 251, 250]) == [0, 251, 502, 753]
+    assert M.split_offsets([3, 0, 2, 1]) == [0, 3, 3, 5]
+    for bad in ((-1, 4), (4, 0), (4.5, 2), (True, 2)):
+        with pytest.raises(ValueError, match="even_split_sizes"):
+            M.even_split_sizes(*bad)
+
+
+@pytest.mark.parametrize(
+    "name, shape, sizes, message",
+    [
+        ("scatter_to_sequence", (6, 4), [2, 2, 2], "must be a list of 4 sizes"),
+        ("scatter_to_sequence", (6, 4), [3, 3, 1, -1], "integers >= 0"),
+        ("reduce_scatter_to_sequence", (7, 4), [2, 2, 2, 2], "sum to 8, but the first dim is 7"),
+        ("all_to_all_from_hidden_to_sequence", (7, 8), [2, 2, 2, 2], "sum to 8"),
+        ("gather_from_sequence", (3, 4), [2, 2, 2, 2], "group rank 1 2 rows"),
+        ("all_to_all_from_sequence_to_hidden", (3, 8), [1, 2, 3, 4], "group rank 1 2 rows"),
+    ],
+)
+def test_bad_split_sizes_raise_without_communication(name, shape, sizes, message):
+    import mindspore as ms
+
+    from mindscience.distributed import collectives as C
+    from mindscience.distributed import mappings as M
+
+    group = ParallelGroup(key="cp", ranks=(0, 1, 2, 3), rank=1, backend_name="never-created")
+    before = C.call_count()
+    with pytest.raises(ValueError) as info:
+        getattr(M, name)(ms.Tensor(np.zeros(shape, np.float32)), group, split_sizes=sizes)
+    assert message in str(info.value) and name in str(info.value) and "split_sizes" in str(info.value)
+    assert C.call_count() == before
+
+
+def test_even_error_says_how_to_shard_unevenly():
+    import mindspore as ms
+
+    from mindscience.distributed import mappings as M
+
+    group = ParallelGroup(key="cp", ranks=(0, 1, 2, 3), rank=0, backend_name="never-created")
+    with pytest.raises(ValueError, match=r"split_sizes=even_split_sizes\(1003, 4\)"):
+        M.scatter_to_sequence(ms.Tensor(np.zeros((1003, 2), np.float32)), group)
+
+
+def test_upstream_class_names_are_the_functions():
+    from mindscience.distributed import mappings as M
+
+    for cls, fn in [(M.CopyToAll, M.copy_to_all), (M.ReduceFromAll, M.reduce_from_all),
+                    (M.ScatterToHidden, M.scatter_to_hidden), (M.GatherFromHidden, M.gather_from_hidden),
+                    (M.ScatterToSequence, M.scatter_to_sequence),
+                    (M.GatherFromSequence, M.gather_from_sequence),
+                    (M.ReduceScatterToSequence, M.reduce_scatter_to_sequence),
+                    (M.AllToAllFromHiddenToSequence, M.all_to_all_from_hidden_to_sequence),
+                    (M.AllToAllFromSequenceToHidden, M.all_to_all_from_sequence_to_hidden)]:
+        assert cls.apply is fn
+    import inspect
+
+    params = list(inspect.signature(M.GatherFromSequence.apply).parameters)
+    assert params[:3] == ["x", "group", "tensor_parallel_output_grad"]
+
+
+def test_comm_group_creator_is_pure_and_matches_the_topology():
+    from mindscience.distributed.manager import CommGroup, CommGroupBase, CommGroupCreator
+
+    creator = CommGroupCreator(tp=2, cp=2, dp=2, pp=2, order="tp-cp-dp-pp")
+    lay = Layout(world_size=16, tp=2, cp=2, pp=2)
+    for key in ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp"):
+        assert creator.get_group_rank_ids(key) == lay.groups(key)
+    assert creator.world_size == 16 and creator.ordered_size == [2, 2, 2, 2]
+    assert CommGroupCreator(4, 1, 2, 1, "dp-tp-cp-pp").get_group_rank_ids("tp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    base = CommGroupBase("tp")
+    assert (base.name, base.size, base.rank) == ("tp", 1, 0)
+    with pytest.raises(RuntimeError):
+        base.group_name
+    group = ParallelGroup(key="tp", ranks=(4, 5), rank=1, backend_name="msd1-tp-2")
+    assert isinstance(group, CommGroup) and isinstance(group, CommGroupBase)
+    assert (group.name, group.size, group.rank, group.group_name) == ("tp", 2, 1, "msd1-tp-2")
+    with pytest.raises(ValueError, match="CommGroupCreator"):
+        CommGroupCreator(tp=0, cp=1, dp=1, pp=1, order="tp-cp-dp-pp")
 
 
 def test_reference_all_to_all_docstring_example():

@@ -52,15 +52,21 @@ def test_default_layout_passes(tmp_path):
     assert code == 0, stderr
     assert report["ok"] is True and report["ranks"] == 4 and report["failures"] == []
     assert report["layout"]["tp"] == 2 and report["layout"]["cp"] == 2
-    rows = {(r["check"], r["group"]): r for r in report["correctness"]}
+    rows = {(r["check"], r["group"], r["mode"], r.get("split")): r for r in report["correctness"]}
     for key in ("tp", "cp", "dp", "pp", "dp-cp"):
-        assert rows[("layout.groups", key)]["passed"]
-    mappings = {c for c, g in rows if c.startswith("mapping.")}
+        assert rows[("layout.groups", key, "pynative", None)]["passed"]
+    mappings = {c for c, *_ in rows if c.startswith("mapping.")}
     assert len(mappings) >= 9
+    # Default modes: every mapping in PyNative and under ms.jit, exact on small integers.
     for check in mappings:
-        assert rows[(check, "tp")]["passed"] and rows[(check, "cp=dp-cp")]["passed"]
-        assert rows[(check, "tp")]["max_error"] == 0.0
-    assert any(c.startswith("layers.") for c, _ in rows)
+        for mode in ("pynative", "jit"):
+            for group in ("tp", "cp=dp-cp"):
+                row = rows[(check, group, mode, "even")]
+                assert row["passed"] and row["max_error"] == 0.0, row
+    # Each sequence mapping once more on an uneven sequence, in both modes.
+    uneven = {(c, m) for c, g, m, split in rows if split == "uneven"}
+    assert len(uneven) == 6 * 2
+    assert {mode for check, _, mode, _split in rows if check.startswith("layers.")} >= {"pynative", "jit"}
     assert all(r["passed"] for r in report["correctness"])
     bandwidth = report["bandwidth"]
     assert {r["op"] for r in bandwidth} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
@@ -96,8 +102,9 @@ def test_hanging_rank_is_stopped_within_timeout(tmp_path):
 
 
 def test_two_nodes_on_loopback(tmp_path):
+    # PyNative only: the compiled modes are covered by test_default_layout_passes.
     code, report, stderr, _, log_dir = run_verify(
-        tmp_path, "--loopback-nodes", "2", "--checks", "correctness")
+        tmp_path, "--loopback-nodes", "2", "--checks", "correctness", "--mode", "pynative")
     assert code == 0, stderr
     assert report["ok"] is True and report["ranks"] == 4
     assert all(r["passed"] for r in report["correctness"])

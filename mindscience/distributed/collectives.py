@@ -1,18 +1,27 @@
-"""Forward-only collectives over a :class:`~mindscience.distributed.group.ParallelGroup`.
+"""Group resolution, THE backend selection point, and forward-only collectives.
 
-Internal building blocks of :mod:`mindscience.distributed.mappings` (which adds
-autograd). Every function takes ``(x, group)`` and returns a new tensor; ``x`` is never
-modified. A size-1 group is the identity and makes no backend call at all.
+The collectives themselves are methods of the kernel cells in
+:mod:`mindscience.distributed.kernels`; :func:`kernels` picks and caches the one for a
+group, a backend and an execution mode (eager or compiled). The mappings
+(:mod:`mindscience.distributed.mappings`, which add autograd) hold such a kernel.
+
+The module-level functions below (``all_reduce``, ``all_gather``, ...) are the same
+collectives for eager code (checks, examples, benchmarks). Every function takes
+``(x, group)`` and returns a new tensor; ``x`` is never modified. A size-1 group is the
+identity and makes no backend call at all.
 
 =================  ==========================================  ==========================
 op                 ``composed`` backend (CPU default)           ``native`` backend
 =================  ==========================================  ==========================
-all_reduce (sum)   ``mint.distributed.all_reduce`` on a copy   ``ops.AllReduce(SUM)``
-all_gather (dim)   ``mint.distributed.all_gather`` into a       ``ops.AllGather`` (dim 0,
-                   list + ``cat`` along ``dim``                 other dims moved to 0)
+all_reduce (sum)   eager: ``mint.distributed.all_reduce`` on a  ``ops.AllReduce(SUM)``
+                   copy; compiled: ``ops.AllReduce(SUM)``
+all_gather (dim)   eager: ``mint.distributed.all_gather`` into  ``ops.AllGather`` (dim 0,
+                   a list + ``cat``; compiled: all-reduce of a  other dims moved to 0)
+                   zero-padded buffer
 reduce_scatter     COMPOSED: all-reduce + own slice of dim 0    ``ops.ReduceScatter(SUM)``
-all_to_all         COMPOSED: all-gather along ``concat_dim``    ``ops.AlltoAll``
-                   + own slice of ``split_dim``
+all_to_all         COMPOSED: all-gather + own slice of          ``ops.AlltoAll``
+                   ``split_dim`` of each piece + ``cat``
+uneven (``_v``)    pad to the largest shard, the even collective, trim (both backends)
 =================  ==========================================  ==========================
 
 Why (measured with MindSpore 2.10 on CPU/MCCL, see the project's CPU reference):
@@ -27,6 +36,9 @@ only price of running on CPU.
 The backend is chosen in ONE place, :func:`get_backend`: ``MSDIST_COLLECTIVES=composed``
 or ``=native`` forces one; otherwise ``native`` on Ascend/GPU and ``composed`` on CPU.
 The native backend is kept simple and is UNTESTED on this project's hardware (CPU only).
+Compiled code (``ms.jit``, GRAPH_MODE) cannot use ``mint.distributed`` on CPU (no graph
+kernel, measured), which is why the composed backend has an eager and a compiled
+kernel; :func:`compiling` tells them apart at trace time.
 
 Example (2 ranks, group ``tp`` = ranks (0, 1); rank r holds ``x = [[r, r]]``)::
 
@@ -42,69 +54,114 @@ import os
 from dataclasses import dataclass
 from typing import Union
 
-from .group import ParallelGroup
+import mindspore
+from mindspore.communication import get_group_size, get_rank, get_world_rank_from_group_rank
+from mindspore.ops.primitive import constexpr
+
+from . import kernels as K
+from .counters import call_count
+from .group import CommGroupBase, ParallelGroup
+
+__all__ = [
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "own_slice",
+    "backend_info", "call_count", "compiling", "get_backend", "is_composed", "kernels",
+    "resolve_group",
+]
 
 ENV_VAR = "MSDIST_COLLECTIVES"
 BACKEND_CHOICES = ("composed", "native")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
-GroupLike = Union[ParallelGroup, str]
-
-# Number of backend collective calls made by this process (every op of every
-# backend counts 1, compositions count their inner calls). Checks use it to prove
-# that size-1 groups and argument errors never reach the backend.
-_CALL_COUNT = 0
+GroupLike = Union[ParallelGroup, CommGroupBase, str]
 
 
-def call_count() -> int:
-    """How many backend collectives this process has launched so far."""
-    return _CALL_COUNT
+# ------------------------------------------------------------------- mode
+def _probe():
+    return 0
 
 
-def _count() -> None:
-    global _CALL_COUNT
-    _CALL_COUNT += 1
+@constexpr(check=False)
+def _is_none(fn):
+    # Eagerly this receives the function itself; while MindSpore compiles, a function
+    # passed to a constexpr arrives as None. (MindSpore's own private _run_in_jit works
+    # the same way but imports inside its body, which compiled code rejects.)
+    return fn is None
+
+
+def compiling() -> bool:
+    """True while ``mindspore.jit`` / GRAPH_MODE traces the caller, False when it runs eagerly.
+
+    Usable in compiled code; in a ``construct`` the branch it guards is folded away.
+    It is NOT folded inside a ``bprop``, so backward code must not branch on it.
+    """
+    return _is_none(_probe)
 
 
 # ------------------------------------------------------------------- groups
 _STRING_GROUPS: dict = {}
+_COMM_GROUPS: dict = {}
+
+
+_COMPILED_LOOKUP = (
+    " cannot be looked up inside compiled code (ms.jit / GRAPH_MODE): finding its size "
+    "and rank asks the backend at run time. Pass the ParallelGroup from "
+    "mindscience.distributed.manager (e.g. manager.get_tensor_parallel_group()), or call "
+    "mindscience.distributed.collectives.resolve_group(...) on it once before compiling "
+    "(PyNative runs it as is)."
+)
+
+
+def _group_from_backend(key: str, name: str) -> ParallelGroup:
+    size = get_group_size(name)
+    rank = get_rank(name)
+    try:
+        ranks = tuple(get_world_rank_from_group_rank(name, i) for i in range(size))
+    except Exception:  # noqa: BLE001 - e.g. the world group: ranks are 0..size-1
+        ranks = tuple(range(size))
+    return ParallelGroup(key=key, ranks=ranks, rank=rank, backend_name=name if size > 1 else None)
 
 
 def resolve_group(group: GroupLike) -> ParallelGroup:
     """Return ``group`` as a :class:`ParallelGroup`.
 
-    A plain backend group name (e.g. one made by ``mindspore.communication.create_group``)
-    is looked up once: its size and this process's rank come from
-    ``mindspore.communication.get_group_size/get_rank(name)``.
+    Accepts a ParallelGroup (returned as is), a backend group name (e.g. one made by
+    ``mindspore.communication.create_group``), or an upstream-style ``CommGroup`` /
+    ``CommGroupBase``. Names and upstream groups are looked up once (their size and
+    this process's rank come from ``mindspore.communication``) and cached; inside
+    compiled code only cached ones can be resolved.
 
     Raises:
-        TypeError: ``group`` is neither a ParallelGroup nor a string.
+        TypeError: ``group`` is none of these.
+        RuntimeError: an uncached name or upstream group inside compiled code.
     """
     if isinstance(group, ParallelGroup):
         return group
     if isinstance(group, str):
         cached = _STRING_GROUPS.get(group)
-        if cached is None:
-            from mindspore.communication import (
-                get_group_size,
-                get_rank,
-                get_world_rank_from_group_rank,
-            )
-
-            size = get_group_size(group)
-            rank = get_rank(group)
-            try:
-                ranks = tuple(get_world_rank_from_group_rank(group, i) for i in range(size))
-            except Exception:  # noqa: BLE001 - e.g. the world group: ranks are 0..size-1
-                ranks = tuple(range(size))
-            cached = ParallelGroup(
-                key=group, ranks=ranks, rank=rank, backend_name=group if size > 1 else None
-            )
-            _STRING_GROUPS[group] = cached
+        if cached is not None:
+            return cached
+        if compiling():
+            # A plain RuntimeError: compiled code raises only built-in exception types.
+            raise RuntimeError("the backend group name " + repr(group) + _COMPILED_LOOKUP)
+        cached = _group_from_backend(group, group)
+        _STRING_GROUPS[group] = cached
+        return cached
+    if isinstance(group, CommGroupBase):
+        key = (group.name, group.size, group.rank, group._group_name)
+        cached = _COMM_GROUPS.get(key)
+        if cached is not None:
+            return cached
+        if group.size == 1:
+            cached = ParallelGroup.trivial(group.name, 0)
+        else:
+            if compiling():
+                raise RuntimeError("the CommGroup " + repr(group.name) + _COMPILED_LOOKUP)
+            cached = _group_from_backend(group.name, group.group_name)
+        _COMM_GROUPS[key] = cached
         return cached
     raise TypeError(
-        f"group must be a ParallelGroup (from mindscience.distributed.manager) or a "
-        f"backend group name, got {type(group).__name__}"
+        f"group must be a ParallelGroup (from mindscience.distributed.manager), a "
+        f"CommGroup or a backend group name, got {type(group).__name__}"
     )
 
 
@@ -119,14 +176,6 @@ def _check_divisible(op: str, what: str, size: int, group_size: int) -> None:
         raise ValueError(
             f"{op}: {what} (size {size}) is not divisible by the group size {group_size}"
         )
-
-
-def _narrow(x, dim: int, index: int, parts: int):
-    """The ``index``-th of ``parts`` equal chunks of ``x`` along ``dim``."""
-    from mindspore import ops
-
-    n = x.shape[dim] // parts
-    return ops.narrow(x, dim, index * n, n)
 
 
 # ------------------------------------------------------------------- backends
@@ -144,108 +193,19 @@ class _Backend:
         }
 
 
-class _ComposedBackend(_Backend):
-    """mint.distributed all-reduce / all-gather, and compositions of them (CPU)."""
-
-    def all_reduce(self, x, g: ParallelGroup):
-        from mindspore import mint
-        from mindspore.mint import distributed as md
-
-        # mint all_reduce works in place, so reduce a private buffer. Tensor.copy()
-        # runs three kernels on CPU (cast, divide, cast back): 5-80x slower than one copy_.
-        y = mint.empty(x.shape, dtype=x.dtype).copy_(x.contiguous())
-        _count()
-        md.all_reduce(y, "sum", g.group_name)
-        return y
-
-    def _gather_parts(self, x, g: ParallelGroup) -> list:
-        """Every rank's ``x``, in group-rank order."""
-        from mindspore import mint
-        from mindspore.mint import distributed as md
-
-        # Uninitialised buffers: the gather overwrites them, and zero-filling G copies
-        # of x cost ~20 % of a 16 MiB gather on CPU (bench/bench_mappings.py, section c).
-        parts = [mint.empty(x.shape, dtype=x.dtype) for _ in range(g.size)]
-        _count()
-        md.all_gather(parts, x.contiguous(), g.group_name)
-        return parts
-
-    def all_gather(self, x, g: ParallelGroup, dim: int):
-        from mindspore import ops
-
-        return ops.cat(self._gather_parts(x, g), dim)
-
-    def reduce_scatter(self, x, g: ParallelGroup):
-        return _narrow(self.all_reduce(x, g), 0, g.rank, g.size).contiguous()
-
-    def all_to_all(self, x, g: ParallelGroup, split_dim: int, concat_dim: int):
-        from mindspore import ops
-
-        # Rank r receives chunk r (along split_dim) of every rank's x, concatenated
-        # along concat_dim. Slicing before the concatenation copies |x| bytes instead of
-        # G*|x| (~10 % of the call at 16 MiB on CPU).
-        parts = self._gather_parts(x, g)
-        return ops.cat([_narrow(p, split_dim, g.rank, g.size) for p in parts], concat_dim)
-
-
-class _NativeBackend(_Backend):
-    """MindSpore collective primitives (Ascend/GPU). UNTESTED on this project's CPUs."""
-
-    def _prim(self, kind: str, g: ParallelGroup, *args):
-        from mindspore import ops
-
-        key = (kind, g.group_name, args)
-        prim = _PRIMS.get(key)
-        if prim is None:
-            if kind == "all_reduce":
-                prim = ops.AllReduce(ops.ReduceOp.SUM, g.group_name)
-            elif kind == "all_gather":
-                prim = ops.AllGather(g.group_name)
-            elif kind == "reduce_scatter":
-                prim = ops.ReduceScatter(ops.ReduceOp.SUM, g.group_name)
-            else:
-                split_dim, concat_dim = args
-                prim = ops.AlltoAll(g.size, split_dim, concat_dim, g.group_name)
-            _PRIMS[key] = prim
-        return prim
-
-    def all_reduce(self, x, g: ParallelGroup):
-        _count()
-        return self._prim("all_reduce", g)(x.contiguous())
-
-    def all_gather(self, x, g: ParallelGroup, dim: int):
-        from mindspore import ops
-
-        if dim == 0:
-            _count()
-            return self._prim("all_gather", g)(x.contiguous())
-        moved = ops.moveaxis(x, dim, 0).contiguous()
-        _count()
-        gathered = self._prim("all_gather", g)(moved)
-        return ops.moveaxis(gathered, 0, dim).contiguous()
-
-    def reduce_scatter(self, x, g: ParallelGroup):
-        _count()
-        return self._prim("reduce_scatter", g)(x.contiguous())
-
-    def all_to_all(self, x, g: ParallelGroup, split_dim: int, concat_dim: int):
-        _count()
-        return self._prim("all_to_all", g, split_dim, concat_dim)(x.contiguous())
-
-
-_PRIMS: dict = {}
-
-_COMPOSED = _ComposedBackend(
+_COMPOSED = _Backend(
     name="composed",
     composed={"all_reduce": False, "all_gather": False, "reduce_scatter": True, "all_to_all": True},
     impl={
-        "all_reduce": "mindspore.mint.distributed.all_reduce on a copy",
-        "all_gather": "mindspore.mint.distributed.all_gather into a list + cat",
+        "all_reduce": "mindspore.mint.distributed.all_reduce on a copy "
+                      "(compiled: ops.AllReduce(SUM))",
+        "all_gather": "mindspore.mint.distributed.all_gather into a list + cat "
+                      "(compiled: all-reduce of a zero-padded buffer)",
         "reduce_scatter": "composed: all-reduce + own slice of dim 0",
         "all_to_all": "composed: all-gather + own slice of split_dim of each piece + cat",
     },
 )
-_NATIVE = _NativeBackend(
+_NATIVE = _Backend(
     name="native",
     composed={op: False for op in OPS},
     impl={
@@ -262,6 +222,7 @@ def get_backend() -> _Backend:
 
     ``MSDIST_COLLECTIVES=composed|native`` overrides; otherwise ``composed`` when
     ``mindspore.get_context("device_target")`` is CPU, ``native`` on Ascend and GPU.
+    Eager code only (kernels are chosen when they are built, which is always eager).
 
     Raises:
         ValueError: the environment variable holds another value.
@@ -274,8 +235,6 @@ def get_backend() -> _Backend:
                 "(or unset to choose from the device target)."
             )
         return _COMPOSED if choice == "composed" else _NATIVE
-    import mindspore
-
     target = str(mindspore.get_context("device_target")).upper()
     return _COMPOSED if target == "CPU" else _NATIVE
 
@@ -289,8 +248,6 @@ def backend_info() -> dict:
          "ops": {"reduce_scatter": {"composed": True,
                                     "impl": "composed: all-reduce + own slice of dim 0"}, ...}}
     """
-    import mindspore
-
     backend = get_backend()
     return {
         "backend": backend.name,
@@ -306,13 +263,35 @@ def is_composed(op: str) -> bool:
     return get_backend().composed[op]
 
 
-# ------------------------------------------------------------------- public ops
+_KERNELS: dict = {}
+
+
+def kernels(group: ParallelGroup, compiled: bool):
+    """The kernel cell for ``group`` (size > 1) in eager (False) or compiled (True) code.
+
+    Built once per (group, backend, mode) and cached. Call it eagerly (e.g. from a
+    Cell's ``__init__``): it reads the environment and the device target.
+    """
+    backend = get_backend().name
+    key = (group.backend_name, group.size, group.rank, backend, bool(compiled))
+    k = _KERNELS.get(key)
+    if k is None:
+        if backend == "native":
+            cls = K.Native
+        else:
+            cls = K.GraphComposed if compiled else K.EagerComposed
+        k = cls(group.group_name, group.size, group.rank)
+        _KERNELS[key] = k
+    return k
+
+
+# ------------------------------------------------------------------- eager ops
 def all_reduce(x, group: GroupLike):
     """Sum ``x`` over the group; every rank gets the sum. Shape unchanged."""
     g = resolve_group(group)
     if g.size == 1:
         return x
-    return get_backend().all_reduce(x, g)
+    return kernels(g, False).all_reduce(x)
 
 
 def all_gather(x, group: GroupLike, dim: int = 0):
@@ -324,7 +303,7 @@ def all_gather(x, group: GroupLike, dim: int = 0):
     dim = _norm_dim(dim, len(x.shape), "all_gather")
     if g.size == 1:
         return x
-    return get_backend().all_gather(x, g, dim)
+    return kernels(g, False).all_gather(x, dim)
 
 
 def reduce_scatter(x, group: GroupLike):
@@ -341,7 +320,7 @@ def reduce_scatter(x, group: GroupLike):
     if len(x.shape) < 1:
         raise ValueError("reduce_scatter: expected a tensor of rank >= 1, got a scalar")
     _check_divisible("reduce_scatter", "dim 0", x.shape[0], g.size)
-    return get_backend().reduce_scatter(x, g)
+    return kernels(g, False).reduce_scatter(x).contiguous()
 
 
 def all_to_all(x, group: GroupLike, split_dim: int, concat_dim: int):
@@ -366,7 +345,7 @@ def all_to_all(x, group: GroupLike, split_dim: int, concat_dim: int):
     if g.size == 1:
         return x
     _check_divisible("all_to_all", f"split dim {split_dim}", x.shape[split_dim], g.size)
-    return get_backend().all_to_all(x, g, split_dim, concat_dim)
+    return kernels(g, False).all_to_all(x, split_dim, concat_dim)
 
 
 def own_slice(x, group: GroupLike, dim: int):
@@ -380,4 +359,4 @@ def own_slice(x, group: GroupLike, dim: int):
         return x
     dim = _norm_dim(dim, len(x.shape), "own_slice")
     _check_divisible("own_slice", f"dim {dim}", x.shape[dim], g.size)
-    return _narrow(x, dim, g.rank, g.size).contiguous()
+    return kernels(g, False).own_slice(x, dim).contiguous()

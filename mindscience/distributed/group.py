@@ -3,6 +3,11 @@
 Pure Python (no MindSpore import): the manager fills it from the topology, and a
 size-1 group needs no backend communicator at all, so mappings and layers treat it as
 a no-op and work unchanged without parallelism.
+
+Upstream mindscience names its group classes ``CommGroupBase`` (size 1, no
+communicator) and ``CommGroup``; both exist here with upstream's attributes
+(``name``, ``size``, ``rank``, ``group_name``), and :class:`ParallelGroup` is a
+``CommGroup``, so upstream code that checks ``isinstance`` keeps working.
 """
 
 from __future__ import annotations
@@ -14,8 +19,72 @@ class GroupNotCreatedError(RuntimeError):
     """A backend name was asked of a group that has no backend communicator."""
 
 
+class CommGroupBase:
+    """Upstream's size-1 group: this process alone, no backend communicator.
+
+    Every mapping is the identity on it. ``group_name`` raises, as upstream's does.
+
+    Args:
+        parallelisms: The axis key, e.g. ``"tp"`` or ``"dp-cp"``.
+    """
+
+    def __init__(self, parallelisms: str):
+        self.name = parallelisms
+        self._group_name = None
+        self._group_size = 1
+        self._group_rank = 0
+
+    @property
+    def size(self) -> int:
+        return self._group_size
+
+    @property
+    def rank(self) -> int:
+        return self._group_rank
+
+    @property
+    def group_name(self) -> str:
+        raise GroupNotCreatedError(
+            f"the {self.name!r} group has size 1, so no backend communicator exists: "
+            "check group.size > 1 before asking for group_name."
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: {self._group_name}, group_rank: {self._group_rank}, "
+            f"group_size: {self._group_size}"
+        )
+
+
+class CommGroup(CommGroupBase):
+    """Upstream's group over a backend communicator.
+
+    Args:
+        parallelisms: The axis key.
+        group_name: Backend communicator name (from ``create_group``).
+        group_size: Number of member ranks.
+        group_rank: This process's rank in the group; asked of the backend when None
+            (which needs ``mindspore.communication.init()``).
+    """
+
+    def __init__(self, parallelisms: str, group_name: str, group_size: int,
+                 group_rank: int | None = None):
+        super().__init__(parallelisms)
+        self._group_name = group_name
+        self._group_size = int(group_size)
+        if group_rank is None:
+            from mindspore.communication import get_group_rank_from_world_rank, get_rank
+
+            group_rank = get_group_rank_from_world_rank(get_rank(), group_name)
+        self._group_rank = int(group_rank)
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+
 @dataclass(frozen=True)
-class ParallelGroup:
+class ParallelGroup(CommGroup):
     """One communication group as seen from this process.
 
     Attributes:

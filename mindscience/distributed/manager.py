@@ -28,8 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .group import ParallelGroup
+from .group import CommGroup, CommGroupBase, ParallelGroup
 from .topology import DEFAULT_ORDER, Layout, LayoutError, parse_axis_key
+
+__all__ = [
+    "CommGroup", "CommGroupBase", "CommGroupCreator", "ParallelGroup", "ParallelInitError",
+    "ParallelNotInitializedError", "initialize_parallel", "destroy_parallel",
+    "is_initialized", "get_layout", "get_group",
+]
 
 STANDARD_KEYS = ("tp", "cp", "dp", "pp", "dp-cp")
 
@@ -332,3 +338,75 @@ def get_pipeline_parallel_prev_rank() -> int:
     """Global rank of the previous pipeline stage (the first stage wraps to the last)."""
     group = get_group("pp")
     return group.ranks[(group.rank - 1) % group.size]
+
+
+# ------------------------------------------------------------- upstream creator
+class CommGroupCreator:
+    """Upstream's group creator, over the same topology as :func:`initialize_parallel`.
+
+    Unlike upstream's, constructing it and :meth:`get_group_rank_ids` are pure
+    arithmetic: no device and no ``init()`` needed, so they plan groups anywhere.
+
+    Args:
+        tp, cp, dp, pp: The four axis sizes (the world is their product).
+        order: The axes joined by ``-``, the first varying fastest.
+
+    Example::
+
+        >>> CommGroupCreator(tp=2, cp=1, dp=2, pp=2, order="tp-cp-dp-pp").get_group_rank_ids("dp")
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+    Raises:
+        ParallelInitError: sizes or order that do not form a layout.
+    """
+
+    def __init__(self, tp: int, cp: int, dp: int, pp: int, order: str = DEFAULT_ORDER):
+        try:
+            for name, value in (("dp", dp),):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise LayoutError(f"{name}={value!r} is invalid: expected a positive integer.")
+            self.layout = Layout(world_size=tp * cp * dp * pp, tp=tp, cp=cp, pp=pp, order=order)
+        except (LayoutError, TypeError) as err:
+            raise ParallelInitError(f"CommGroupCreator: {err}") from None
+        self.tp, self.cp, self.dp, self.pp = tp, cp, dp, pp
+        self.order = "-".join(self.layout.axes)
+        self.world_size = self.layout.world_size
+        self.ordered_size = [self.layout.sizes[axis] for axis in self.layout.axes]
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (asked of MindSpore on first use)."""
+        return _world()[0]
+
+    def get_group_rank_ids(self, parallelisms: str) -> list:
+        """Every group of the axes in ``parallelisms`` (e.g. ``"dp-cp"``), as rank lists."""
+        parse_axis_key(parallelisms)
+        return self.layout.groups(parallelisms)
+
+    def init_group(self, parallelisms: str):
+        """Create this process's group of ``parallelisms`` on the backend.
+
+        Call it on every rank (group creation is collective). Returns a
+        :class:`ParallelGroup` (a ``CommGroup``); for a size-1 group no communicator is
+        made and the group is the size-1 identity group.
+
+        Raises:
+            RuntimeError: communication not initialized.
+        """
+        if not _communication_initialized():
+            raise RuntimeError(
+                "MindSpore communication is not initialized: call "
+                "mindspore.communication.init() before CommGroupCreator.init_group()."
+            )
+        rank = self.rank
+        members = self.layout.group_of(rank, parallelisms)
+        group_rank = self.layout.group_rank(rank, parallelisms)
+        if len(members) == 1:
+            return ParallelGroup.trivial(parallelisms, rank)
+        name = f"{parallelisms}-" + "-".join(str(r) for r in members)
+        if len(name) > 64:
+            # Upstream spells out every member; long groups get a short, unique name.
+            name = f"{parallelisms}-{members[0]}-n{len(members)}-g{self.layout.group_index(rank, parallelisms)}"
+        _create_backend_group(name, members)
+        return ParallelGroup(key=parallelisms, ranks=tuple(members), rank=group_rank,
+                             backend_name=name)

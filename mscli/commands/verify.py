@@ -167,6 +167,7 @@ class _ProgressView:
 def verify(
     layout: Optional[str] = typer.Argument(None, help="Layout YAML file or bundled name (default: the 4-rank CPU layout)."),
     checks: str = typer.Option("correctness,bandwidth", "--checks", help="What to run: correctness, bandwidth or both."),
+    mode: str = typer.Option("pynative,jit", "--mode", help="Execution modes of the correctness checks: pynative, jit, graph (comma-separated)."),
     quick: bool = typer.Option(False, "--quick", help="Bandwidth at one small size only."),
     min_bytes: str = typer.Option("1K", "--min-bytes", "-b", help="Smallest size of the sweep (nccl-tests -b)."),
     # Default: a latency point and a bandwidth point. On an oversubscribed CPU every call
@@ -201,7 +202,9 @@ def verify(
         spec_layout, _ = load(layout)
         kinds = vr.parse_checks(checks)
         sizes = [QUICK_SIZE] if quick else vr.size_sweep(vr.parse_bytes(min_bytes), vr.parse_bytes(max_bytes), factor)
-        spec = vr.build_spec(spec_layout, kinds, sizes, iters, warmup, dtype, parse_fault(inject_fault))
+        modes = vr.parse_modes(mode)
+        spec = vr.build_spec(spec_layout, kinds, sizes, iters, warmup, dtype, parse_fault(inject_fault),
+                             modes=modes)
         plan = _plan_launch(spec_layout, nodes, node_rank, master_addr, master_port, local, loopback_nodes)
         if master_port is not None and not 1 <= master_port <= 65535:
             raise UsageError(f"--master-port {master_port} is invalid: expected 1..65535.")

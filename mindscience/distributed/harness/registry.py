@@ -22,6 +22,7 @@ CHECK_MODULES = (
     "mindscience.distributed.harness.checks.basic",
     "mindscience.distributed.harness.checks.layout",
     "mindscience.distributed.harness.checks.mappings",
+    "mindscience.distributed.harness.checks.manager",
     "mindscience.distributed.harness.checks.layers",
     "mindscience.distributed.harness.checks.bandwidth",
 )

@@ -28,9 +28,14 @@ the layers use a size-1 group, make no communication at all and behave as
 ``mindspore.mint.nn.Linear`` (bit for bit with ``compute_dtype=ms.float32`` or ``None``
 on float32 inputs; the default ``compute_dtype`` is bfloat16).
 
-Mode: PyNative (the mappings are ``mindspore._Function`` subclasses, which do not run
-under ``mindspore.jit``). Argument errors (sizes, shapes) raise ``ValueError`` in Python
-before this rank starts any collective.
+Modes: PyNative, ``mindspore.jit`` (``layer.construct = ms.jit(layer.construct)`` or a
+jit-compiled function or train step calling the layer) and GRAPH_MODE, with the same
+numbers. Argument errors (sizes, shapes) raise ``ValueError`` before this rank starts
+any collective (at trace time in compiled code).
+
+Uneven sequences: with ``use_sequence_parallel=True`` both layers take
+``layer(x, split_sizes=[...])`` (the sequence rows of each tp rank, e.g.
+``mappings.even_split_sizes(S, tp)``) and pass it to their sequence mappings.
 
 Precision: the output has the input's dtype. Only the matmul (with the bias for
 ColumnParallelLinear, as in a dense layer) runs in ``compute_dtype``; communication runs
@@ -166,7 +171,8 @@ class _ParallelLinear(nn.Cell):
             )
 
     def _check_sequence(self, x, divisible: bool) -> None:
-        """Sequence parallelism: inputs are (S, ..., H); with ``divisible`` tp must divide S."""
+        """Sequence parallelism: inputs are (S, ..., H); with ``divisible`` tp must divide S
+        (an even split; ``split_sizes`` are checked by the mappings)."""
         shape = tuple(x.shape)
         if len(shape) < 2:
             raise ValueError(
@@ -180,7 +186,9 @@ class _ParallelLinear(nn.Cell):
                 f"{shape}), not divisible by the tensor-parallel size {self.tp_size}; "
                 "use_sequence_parallel=True reduce-scatters the output along dim 0, so each "
                 f"rank needs S/{self.tp_size} rows. Pad the sequence to a multiple of "
-                f"{self.tp_size}, or set use_sequence_parallel=False."
+                f"{self.tp_size}, shard it unevenly with layer(x, split_sizes="
+                f"even_split_sizes({shape[0]}, {self.tp_size})), or set "
+                "use_sequence_parallel=False."
             )
 
 
@@ -223,6 +231,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     Inputs:
         x: ``(S, ..., in_features)``, or ``(S/tp, ..., in_features)`` with sequence parallelism.
+        split_sizes: Sequence parallelism only: the rows of each tp rank (an uneven
+            sequence); x then holds ``split_sizes[tp_rank]`` rows. None: even shards.
 
     Outputs:
         ``(S, ..., out_features)`` if ``gather_output`` else ``(S, ..., out_features/tp)``;
@@ -255,7 +265,7 @@ class ColumnParallelLinear(_ParallelLinear):
                           param_init_dtype)
         self.out_features_per_partition = out_features // self.tp_size
 
-    def construct(self, x):
+    def construct(self, x, split_sizes=None):
         self._check_last_dim(
             x, self.in_features, "in_features",
             "Pass inputs of shape (S, ..., in_features)"
@@ -265,7 +275,7 @@ class ColumnParallelLinear(_ParallelLinear):
             self._check_sequence(x, divisible=False)
         if self._parallel:
             if self.use_sequence_parallel:
-                x = mappings.gather_from_sequence(x, self.group)
+                x = mappings.gather_from_sequence(x, self.group, split_sizes=split_sizes)
             else:
                 x = mappings.copy_to_all(x, self.group)
         fused_bias = None if self.skip_bias_add else self.bias
@@ -332,6 +342,8 @@ class RowParallelLinear(_ParallelLinear):
 
     Inputs:
         x: ``(S, ..., in_features)``, or ``(S, ..., in_features/tp)`` if ``input_is_parallel``.
+        split_sizes: Sequence parallelism only: the output rows of each tp rank (summing
+            to S) for an uneven sequence. None: S must be divisible by tp.
 
     Outputs:
         ``(S, ..., out_features)``, or ``(S/tp, ..., out_features)`` with sequence
@@ -367,7 +379,7 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None and self.use_sequence_parallel:
             self.bias.sequence_parallel = True
 
-    def construct(self, x):
+    def construct(self, x, split_sizes=None):
         if self.input_is_parallel:
             self._check_last_dim(
                 x, self.in_features_per_partition,
@@ -382,7 +394,7 @@ class RowParallelLinear(_ParallelLinear):
                 f"slice of size {self.in_features_per_partition}.",
             )
         if self.use_sequence_parallel:
-            self._check_sequence(x, divisible=True)
+            self._check_sequence(x, divisible=split_sizes is None)
         if not self._parallel and not self.skip_bias_add and (
                 self.compute_dtype is None or self.compute_dtype == x.dtype):
             # tp = 1, nothing to reduce: fuse the bias into the matmul as a dense layer
@@ -393,7 +405,7 @@ class RowParallelLinear(_ParallelLinear):
         y = self._local_linear(x, None)
         if self._parallel:
             if self.use_sequence_parallel:
-                y = mappings.reduce_scatter_to_sequence(y, self.group)
+                y = mappings.reduce_scatter_to_sequence(y, self.group, split_sizes=split_sizes)
             else:
                 y = mappings.reduce_from_all(y, self.group)
         if self.skip_bias_add:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # "world" names the group of every rank: the key of all four axes.
 WORLD_KEY = "tp-cp-dp-pp"
+AXIS_KEYS = ("tp", "cp", "dp", "pp")
 
 
 def distinct_groups(manager, keys) -> dict:
@@ -26,3 +27,48 @@ def distinct_groups(manager, keys) -> dict:
         else:
             labelled[ident] = [key, group]
     return {label: group for label, group in labelled.values()}
+
+
+def groups_of(manager, keys) -> dict:
+    """:func:`distinct_groups` for ``keys``; default every axis of size > 1."""
+    if keys is None:
+        lay = manager.get_layout()
+        keys = [k for k in AXIS_KEYS if lay.size(k) > 1]
+    return distinct_groups(manager, keys)
+
+
+def ensure_manager(ctx):
+    """The manager's state; initialized from ``ctx.layout`` when not yet done."""
+    from mindscience.distributed import manager
+
+    if not manager.is_initialized():
+        if ctx.layout is None:
+            raise RuntimeError(
+                "the mapping checks need parallel groups: give the job a layout or call "
+                "manager.initialize_parallel(...) before them"
+            )
+        manager.initialize_parallel(
+            tensor_parallel_size=ctx.layout.tp,
+            context_parallel_size=ctx.layout.cp,
+            pipeline_parallel_size=ctx.layout.pp,
+            order="-".join(ctx.layout.axes),
+        )
+    return manager
+
+
+def current_layout_args(manager):
+    if not manager.is_initialized():
+        return None
+    lay = manager.get_layout()
+    return dict(tensor_parallel_size=lay.tp, context_parallel_size=lay.cp,
+                pipeline_parallel_size=lay.pp, order="-".join(lay.axes))
+
+
+def restore(manager, args) -> None:
+    manager.destroy_parallel()
+    if args is not None:
+        manager.initialize_parallel(**args)
+
+
+def layout_label(lay) -> str:
+    return f"tp{lay.tp}-cp{lay.cp}-dp{lay.dp}-pp{lay.pp}:{'-'.join(lay.axes)}"

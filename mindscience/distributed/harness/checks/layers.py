@@ -16,6 +16,9 @@ layout, else the sizes already initialized, else ``tp`` = all ranks):
   ``input_is_parallel``, ``sequence_parallel``, ``skip_bias_add``).
 * ``layers.matrix``: every configuration of both layers, one record each.
 * ``layers.errors``: bad sizes raise ``ValueError`` before any communication.
+* ``layers.modes``: representative configurations compiled (``ms.jit`` of the grad
+  function, ``construct = ms.jit(construct)``, GRAPH_MODE): equal to the dense layer
+  and to the same layer in PyNative (``pynative_diff``).
 * ``layers.dense_equivalence``: the three above in one step (what ``msdist verify`` runs).
 * ``examples.tp_mlp``, ``examples.attention_tp``, ``examples.attention_ulysses``,
   ``examples.attention_cp_allgather``: the ``run()`` of the scripts in ``examples/``
@@ -106,12 +109,10 @@ def _chunk(a, group, dim):
     return a[tuple(index)]
 
 
-def _forward_backward(net, x, cot, skip_bias_add):
-    """Output, input gradient and {param name: gradient} of ``sum(out * cot)``."""
-    import mindspore as ms
+LAYER_MODES = ("pynative", "jit", "jit-construct", "graph")
 
-    params = net.trainable_params()
 
+def _make_layer_loss(net, cot, skip_bias_add):
     def loss_fn(inp):
         out = net(inp)
         if skip_bias_add:  # the caller adds the returned bias, as a fused kernel would
@@ -120,8 +121,39 @@ def _forward_backward(net, x, cot, skip_bias_add):
                 out = out + bias
         return (out * cot).sum(), out
 
-    grad_fn = ms.value_and_grad(loss_fn, grad_position=0, weights=params, has_aux=True)
-    (_, out), (dx, grads) = grad_fn(x)
+    return loss_fn
+
+
+def _forward_backward(net, x, cot, skip_bias_add, mode="pynative"):
+    """Output, input gradient and {param name: gradient} of ``sum(out * cot)``.
+
+    ``mode``: ``pynative``; ``jit`` (the value_and_grad function compiled with
+    ``ms.jit``); ``jit-construct`` (``net.construct = ms.jit(net.construct)``, eager
+    autograd around it); ``graph`` (GRAPH_MODE, the loss as a Cell).
+    """
+    import mindspore as ms
+
+    from .modes import _LossCell
+
+    if mode not in LAYER_MODES:
+        raise ValueError(f"mode {mode!r} is invalid: expected one of {', '.join(LAYER_MODES)}")
+    params = net.trainable_params()
+    if mode == "jit-construct":
+        net.construct = ms.jit(net.construct)
+    loss_fn = _make_layer_loss(net, cot, skip_bias_add)
+    if mode == "graph":
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            cell = _LossCell(loss_fn)
+            grad_fn = ms.value_and_grad(cell, grad_position=0, weights=params, has_aux=True)
+            (_, out), (dx, grads) = grad_fn(x)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+    else:
+        grad_fn = ms.value_and_grad(loss_fn, grad_position=0, weights=params, has_aux=True)
+        if mode == "jit":
+            grad_fn = ms.jit(grad_fn)
+        (_, out), (dx, grads) = grad_fn(x)
     return out, dx, {p.name.split(".")[-1]: g for p, g in zip(params, grads)}
 
 
@@ -133,7 +165,7 @@ def _case(**flags) -> str:
 def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input_is_parallel=False,
                        sequence_parallel=False, skip_bias_add=False, seq_len=8, batch=2,
                        in_features=32, out_features=48, seed=0, compute_dtype="float32",
-                       atol=None) -> dict:
+                       atol=None, mode="pynative", keep_values=False) -> dict:
     """One configuration of ``kind`` ("column" or "row") against ``mint.nn.Linear``.
 
     Returns a record whose ``errors`` hold, per quantity, the max abs difference
@@ -141,7 +173,10 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
     dense layer always computes in float32). With ``compute_dtype`` float16/bfloat16 the
     errors are scaled by ``max(1, max |dense value|)`` and ``atol`` defaults to
     :data:`LOW_PRECISION_TOL`; with float32 they are absolute and ``atol`` defaults to
-    1e-4. Initial parameters must match exactly in every case.
+    1e-4. Initial parameters must match exactly in every case. ``mode`` runs the
+    parallel layer's forward and backward in an execution mode (see
+    :func:`_forward_backward`); ``keep_values`` adds its numpy results under
+    ``"_values"`` (for comparisons between modes; not JSON).
     """
     import mindspore as ms
     from mindspore import mint
@@ -177,7 +212,7 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
         flags["skip_bias_add"] = True
 
     d_out, d_dx, d_g = _forward_backward(dense, ms.Tensor(x_full), ms.Tensor(cot_full), False)
-    p_out, p_dx, p_g = _forward_backward(layer, ms.Tensor(x), ms.Tensor(cot), skip_bias_add)
+    p_out, p_dx, p_g = _forward_backward(layer, ms.Tensor(x), ms.Tensor(cot), skip_bias_add, mode)
 
     weight_dim = 0 if kind == "column" else 1
     errors = {"init weight": _err(layer.weight, _chunk(_np(dense.weight), group, weight_dim))}
@@ -210,10 +245,16 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
 
     max_error = max(errors.values())
     init_exact = errors["init weight"] == 0.0 and errors.get("init bias", 0.0) == 0.0
+    extra = {}
+    if keep_values:
+        extra["_values"] = {"output": _np(p_out), "grad input": _np(p_dx),
+                            **{f"grad {k}": _np(v) for k, v in p_g.items()}}
     return {
+        **extra,
         "check": f"layers.{kind}",
         "group": "tp",
         "case": _case(tp=group.size, **flags),
+        "mode": mode,
         "tp": group.size,
         "compute_dtype": str(compute_dtype),
         "passed": bool(init_exact and max_error <= atol),
@@ -265,6 +306,43 @@ def matrix(ctx: CheckContext, tp=None, cp=None, compute_dtype="float32", atol=No
             records.append(compare_with_dense(kind, group, bias=True, skip_bias_add=True,
                                               sequence_parallel=False, compute_dtype=compute_dtype,
                                               atol=atol, **flag, **sizes))
+    return records
+
+
+# Representative configurations for the execution-mode check: every mapping the
+# layers use (copy/all-reduce, gathers and scatters of both dims, sequence parallelism).
+MODE_CONFIGS = (
+    ("column", dict(gather_output=True)),
+    ("column", dict(gather_output=False, sequence_parallel=True)),
+    ("column", dict(gather_output=True, skip_bias_add=True)),
+    ("row", dict(input_is_parallel=False)),
+    ("row", dict(input_is_parallel=True, sequence_parallel=True)),
+)
+
+
+@check("layers.modes")
+def modes(ctx: CheckContext, tp=None, cp=None, modes=("jit", "jit-construct", "graph"),
+          compute_dtype="float32", atol=None, **sizes) -> list:
+    """The layers compiled (see :data:`LAYER_MODES`) against the dense layer AND against
+    the same layer in PyNative: ``pynative_diff`` is the largest difference between the
+    compiled and the PyNative output and gradients (float32: must be <= 1e-6)."""
+    group = _ensure_parallel(ctx, tp, cp)
+    records = []
+    for kind, flags in MODE_CONFIGS:
+        eager = compare_with_dense(kind, group, compute_dtype=compute_dtype, atol=atol,
+                                   keep_values=True, **flags, **sizes)
+        want = eager.pop("_values")
+        eager["check"] = f"layers.modes.{kind}"
+        records.append(eager)
+        for mode in modes:
+            rec = compare_with_dense(kind, group, compute_dtype=compute_dtype, atol=atol,
+                                     mode=mode, keep_values=True, **flags, **sizes)
+            got = rec.pop("_values")
+            diff = max(_err(got[k], want[k]) for k in want)
+            rec["check"] = f"layers.modes.{kind}"
+            rec["pynative_diff"] = diff
+            rec["passed"] = bool(rec["passed"] and diff <= 1e-6)
+            records.append(rec)
     return records
 
 
