@@ -21,6 +21,19 @@ class UsageError(ValueError):
     """Bad command-line input that is not about the layout itself."""
 
 
+def check_format(fmt: str) -> None:
+    """``--format`` must be ``rich`` or ``json``."""
+    if fmt not in ("rich", "json"):
+        raise UsageError(f"--format {fmt!r} is invalid: expected 'rich' or 'json'.")
+
+
+def check_output_folder(option: str, path: str) -> None:
+    """The folder an output option (``--svg``, ``--write``) writes into must exist."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path}: folder {folder} does not exist. Create it or pick another path.")
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> "typer.Exit":
     """Print ``message`` as one line on stderr and return the Exit to raise."""
     sys.stderr.write(f"msdist: error: {message}\n")

@@ -1,4 +1,4 @@
-"""The ``msdist`` command line: ``plan`` (no device needed), ``verify`` and ``layouts``.
+"""The ``msdist`` command line: ``plan`` and ``suggest`` (no device needed), ``verify`` and ``layouts``.
 
 Heavy imports (MindSpore, the launcher) happen inside the commands that need them, so
 ``msdist plan`` starts fast.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from .commands.plan import plan
+from .commands.suggest import suggest
 
 app = typer.Typer(
     name="msdist",
@@ -19,6 +20,7 @@ app = typer.Typer(
 )
 
 app.command("plan")(plan)
+app.command("suggest")(suggest)
 
 
 @app.command("layouts")
@@ -27,13 +29,12 @@ def layouts_command(
 ) -> None:
     """List the layouts bundled in layouts/."""
     from . import render
-    from .errors import UsageError, user_errors
+    from .errors import check_format, user_errors
     from .layouts import bundled_layouts
     from mindscience.distributed.topology import load_layout
 
     with user_errors():
-        if fmt not in ("rich", "json"):
-            raise UsageError(f"--format {fmt!r} is invalid: expected 'rich' or 'json'.")
+        check_format(fmt)
         rows = []
         for name, path in bundled_layouts().items():
             layout = load_layout(path)

@@ -170,7 +170,9 @@ def group_listing(plan: dict, show_all: bool) -> Table:
     return table
 
 
-def render_plan(plan: dict, source: str | None, show_all: bool, svg: str | None, echo: bool = True) -> None:
+def render_plan(plan: dict, source: str | None, show_all: bool, svg: str | None, echo: bool = True,
+                extra=()) -> None:
+    """The plan's summary, rank table and groups, then ``extra`` renderables (cost tables)."""
     if not (echo or svg):
         warn(plan["warnings"])
         return
@@ -179,12 +181,15 @@ def render_plan(plan: dict, source: str | None, show_all: bool, svg: str | None,
     console.print(rank_table(plan, show_all))
     console.print()
     console.print(group_listing(plan, show_all))
+    for renderable in extra:
+        console.print()
+        console.print(renderable)
     if svg:
         console.save_svg(svg, title="msdist plan")
     warn(plan["warnings"])
 
 
-def render_rank(view: dict, svg: str | None, echo: bool = True) -> None:
+def render_rank(view: dict, svg: str | None, echo: bool = True, extra=()) -> None:
     if not (echo or svg):
         warn(view["warnings"])
         return
@@ -218,6 +223,9 @@ def render_rank(view: dict, svg: str | None, echo: bool = True) -> None:
         f"joins {comms['per_rank']} communicator(s); HCCL buffers ~{_mib(comms['buffer_mb_per_rank'])}"
     )
     console.print(Panel(Group(head, table, foot), title="msdist plan --rank", title_align="left", expand=False))
+    for renderable in extra:
+        console.print()
+        console.print(renderable)
     if svg:
         console.save_svg(svg, title=f"msdist plan --rank {view['rank']}")
     warn(view["warnings"])

@@ -3,6 +3,7 @@
 import itertools
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from mindscience.distributed.topology import (
     AXES,
     Layout,
     LayoutError,
+    load_layout,
     parse_axis_key,
     parse_order,
 )
@@ -200,6 +202,41 @@ def test_rank_of_rejects_out_of_range_coordinate():
         Layout(world_size=8, tp=2).rank_of(tp=2)
 
 
+# ------------------------------------------------------------------ node crossing
+@pytest.mark.parametrize("world", [6, 12, 16, 24, 48, 64])
+def test_crossing_group_count_matches_the_listed_groups(world):
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    for per_node in divisors:
+        for tp, cp, pp in factorizations(world, 10):
+            for order in ALL_ORDERS[::5]:
+                layout = Layout(world_size=world, tp=tp, cp=cp, pp=pp, order=order, devices_per_node=per_node)
+                for key in ALL_KEYS:
+                    assert layout.crossing_group_count(key) == len(layout.crossing_groups(key)), (
+                        world, per_node, tp, cp, pp, order, key)
+
+
+def test_crossing_group_count_large_world_is_fast_and_right():
+    layout = Layout(world_size=65536, tp=8, cp=2, pp=16, devices_per_node=16, order="dp-tp-cp-pp")
+    for key in ("tp", "cp", "dp", "pp", "dp-cp"):
+        assert layout.crossing_group_count(key) == len(layout.crossing_groups(key))
+
+
+# ------------------------------------------------------------------ layout files with sections
+def test_layout_files_carry_cost_model_sections_and_round_trip(tmp_path):
+    from mindscience.distributed.topology.layout_file import layout_to_yaml
+
+    layout = Layout(world_size=16, tp=2, cp=2, pp=2, devices_per_node=8, order="pp-tp-cp-dp", name="x",
+                    backend="ascend")
+    sections = {"model": {"num_layers": 2}, "cluster": {"device_memory_gb": 32}}
+    path = tmp_path / "x.yaml"
+    path.write_text(layout_to_yaml(layout, description="d", sections=sections, comment="one\ntwo"))
+    text = path.read_text()
+    assert text.startswith("# one\n# two\nname: x\ndescription: d\n")
+    assert load_layout(path) == layout
+    with pytest.raises(LayoutError, match="section 'extra'"):
+        layout_to_yaml(layout, sections={"extra": {}})
+
+
 # ------------------------------------------------------------------ purity
 def test_topology_and_plan_never_import_mindspore():
     code = (
@@ -207,14 +244,19 @@ def test_topology_and_plan_never_import_mindspore():
         "import mindscience.distributed.topology as t\n"
         "import mindscience.distributed.topology.plan as p\n"
         "import mindscience.distributed.group\n"
+        "import mindscience.distributed.costmodel as c\n"
         "from mindscience.distributed import initialize_parallel\n"
-        "import mscli.main\n"
+        "import mscli.main, mscli.commands.suggest, mscli.render_cost\n"
         "l = t.Layout(world_size=64, tp=4, cp=2, pp=2, devices_per_node=8)\n"
         "p.build_plan(l)\n"
+        "w = c.load_workload('layouts/models/gqa-7b.yaml')\n"
+        "c.estimate(l, w)\n"
+        "c.suggest(w, 64)\n"
         "bad = [m for m in sys.modules if m.split('.')[0] == 'mindspore']\n"
         "assert not bad, bad\n"
         "print('clean')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "clean"

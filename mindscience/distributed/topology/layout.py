@@ -27,7 +27,7 @@ Example: 8 ranks, tp=2, cp=1, pp=2 (so dp=2), order ``tp-cp-dp-pp``::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import prod
+from math import gcd, prod
 
 from .errors import LayoutError
 
@@ -321,6 +321,49 @@ class Layout:
         if self.num_nodes == 1:
             return []
         return [i for i, g in enumerate(self.groups(key)) if self.crosses_nodes(g)]
+
+    def crossing_group_count(self, key: str) -> int:
+        """How many ``key`` groups span more than one node, without listing the groups.
+
+        Equals ``len(crossing_groups(key))`` in O(devices_per_node**2) instead of
+        O(world_size), so a layout search can ask it for thousands of candidates.
+
+        Derivation: a group's members are ``b + o`` where ``b`` (its smallest rank)
+        combines the coordinates of the axes outside the key and ``o`` runs over the
+        offsets of the key's axes, from 0 to ``span = sum((size - 1) * stride)``. With
+        ``D`` ranks per node the group stays on node ``b // D`` exactly when
+        ``b % D + span < D``. So only the residues ``b % D`` matter: they are counted
+        axis by axis (``c * stride % D`` repeats with period ``D / gcd(stride, D)``).
+
+        Example: 6 ranks, 3 per node, tp=2 (dp=3): tp groups ``[0,1] [2,3] [4,5]``,
+        ``span = 1``, residues of ``b`` = 0, 2, 1; only ``b = 2`` crosses::
+
+            >>> Layout(world_size=6, tp=2, devices_per_node=3).crossing_group_count("tp")
+            1
+        """
+        if self.num_nodes == 1:
+            return 0
+        inside, outside = self._split(key)
+        per_node = self.devices_per_node
+        span = sum((getattr(self, a) - 1) * self._strides[a] for a in inside)
+        if span == 0:
+            return 0
+        if span >= per_node:
+            return self.num_groups(key)
+        residues = {0: 1}
+        for axis in outside:
+            size, stride = getattr(self, axis), self._strides[axis]
+            period = per_node // gcd(stride, per_node)
+            full, rest = divmod(size, period)
+            steps = [((c * stride) % per_node, full + (c < rest)) for c in range(min(size, period))]
+            merged: dict[int, int] = {}
+            for r, n in residues.items():
+                for step, m in steps:
+                    if m:
+                        key_r = (r + step) % per_node
+                        merged[key_r] = merged.get(key_r, 0) + n * m
+            residues = merged
+        return sum(n for r, n in residues.items() if r + span >= per_node)
 
     def to_dict(self) -> dict:
         """The layout as the plain mapping a layout file holds."""

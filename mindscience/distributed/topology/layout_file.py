@@ -12,6 +12,9 @@ Schema (every key but ``world_size`` is optional)::
     dp: 2                    # default: world_size / (tp*cp*pp)
     order: tp-cp-dp-pp       # first axis varies fastest
     backend: cpu             # cpu | ascend | gpu
+    model: {...}             # optional sections for the cost model
+    training: {...}          # (mindscience.distributed.costmodel reads them;
+    cluster: {...}           #  the layout itself ignores them)
 
 Every error names the file and the key, so a CLI can print it as one line.
 """
@@ -36,6 +39,9 @@ _SCHEMA = {
     "order": ((str,), "a string such as tp-cp-dp-pp"),
     "backend": ((str,), "one of cpu, ascend, gpu"),
 }
+LAYOUT_KEYS = tuple(_SCHEMA)
+# Sections a layout file may carry for the cost model (a mapping each).
+SECTIONS = ("model", "training", "cluster")
 
 
 def layout_from_mapping(data, source: str = "<layout>") -> Layout:
@@ -55,9 +61,18 @@ def layout_from_mapping(data, source: str = "<layout>") -> Layout:
             source,
         )
     for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise LayoutFileError(
+                    f"{source}: section {key!r} has value {value!r} ({type(value).__name__}): "
+                    f"expected a mapping of {key} keys (indented 'key: value' lines).",
+                    source,
+                    key,
+                )
+            continue
         if key not in _SCHEMA:
             raise LayoutFileError(
-                f"{source}: unknown key {key!r}: expected one of {', '.join(_SCHEMA)}. "
+                f"{source}: unknown key {key!r}: expected one of {', '.join(LAYOUT_KEYS + SECTIONS)}. "
                 "Remove it or fix its spelling.",
                 source,
                 str(key),
@@ -79,7 +94,7 @@ def layout_from_mapping(data, source: str = "<layout>") -> Layout:
             source,
             "world_size",
         )
-    kwargs = {k: v for k, v in data.items() if k != "description"}
+    kwargs = {k: v for k, v in data.items() if k != "description" and k not in SECTIONS}
     if "backend" in kwargs:
         kwargs["backend"] = kwargs["backend"].lower()
     try:
@@ -90,12 +105,16 @@ def layout_from_mapping(data, source: str = "<layout>") -> Layout:
         raise LayoutFileError(f"{source}: {err}", source) from None
 
 
-def load_layout(path: str | os.PathLike) -> Layout:
-    """Read and validate a layout file.
+def read_yaml_mapping(path: str | os.PathLike, what: str = "layout") -> dict:
+    """Read a YAML file that must hold a non-empty document (layout or model file).
+
+    Args:
+        path: The file.
+        what: ``"layout"`` or ``"model"``, for the messages.
 
     Raises:
-        LayoutFileError: the file is missing or unreadable, is not valid YAML, or holds
-            an invalid layout.
+        LayoutFileError: the file is missing or unreadable, is not valid YAML, or is
+            empty.
     """
     import yaml  # only the file path needs it
 
@@ -105,12 +124,12 @@ def load_layout(path: str | os.PathLike) -> Layout:
             text = fh.read()
     except FileNotFoundError:
         raise LayoutFileError(
-            f"{path}: no such layout file. Pass the path of a YAML layout, or one of the "
-            "bundled names (see 'msdist plan --list').",
+            f"{path}: no such {what} file. Pass the path of a YAML {what} file, or one of the "
+            f"bundled names (see 'msdist {'layouts' if what == 'layout' else 'suggest --help'}').",
             path,
         ) from None
     except OSError as err:
-        raise LayoutFileError(f"{path}: cannot read the layout file: {err.strerror}.", path) from None
+        raise LayoutFileError(f"{path}: cannot read the {what} file: {err.strerror}.", path) from None
     try:
         loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
         data = yaml.load(text, Loader=loader)
@@ -125,5 +144,40 @@ def load_layout(path: str | os.PathLike) -> Layout:
             path,
         ) from None
     if data is None:
-        raise LayoutFileError(f"{path}: the layout file is empty: expected at least 'world_size'.", path)
-    return layout_from_mapping(data, path)
+        needed = "'world_size'" if what == "layout" else "a 'model' section"
+        raise LayoutFileError(f"{path}: the {what} file is empty: expected at least {needed}.", path)
+    return data
+
+
+def layout_to_yaml(layout: Layout, description: str | None = None, sections: dict | None = None,
+                   comment: str | None = None) -> str:
+    """The text of a layout file that :func:`load_layout` reads back as ``layout``.
+
+    Args:
+        layout: The layout.
+        description: Its ``description:``.
+        sections: Extra sections (``model``, ``training``, ``cluster``) to append.
+        comment: Lines written as ``#`` comments at the top.
+    """
+    import yaml
+
+    data = {k: v for k, v in layout.to_dict().items() if v is not None}
+    if description:
+        data = {**({"name": data.pop("name")} if "name" in data else {}), "description": description, **data}
+    head = "".join(f"# {line}\n" for line in (comment or "").splitlines())
+    body = yaml.safe_dump(data, sort_keys=False)
+    for key, section in (sections or {}).items():
+        if key not in SECTIONS:
+            raise LayoutError(f"section {key!r} is invalid: expected one of {', '.join(SECTIONS)}.")
+        body += yaml.safe_dump({key: section}, sort_keys=False)
+    return head + body
+
+
+def load_layout(path: str | os.PathLike) -> Layout:
+    """Read and validate a layout file.
+
+    Raises:
+        LayoutFileError: the file is missing or unreadable, is not valid YAML, or holds
+            an invalid layout.
+    """
+    return layout_from_mapping(read_yaml_mapping(path), os.fspath(path))

@@ -1,0 +1,48 @@
+"""Memory and communication estimates of a parallel layout for a model (no MindSpore import).
+
+It sits next to :mod:`~mindscience.distributed.topology` at the bottom of the tree and
+reads group placement (which groups span nodes) from it. Modules, in reading order:
+
+* :mod:`.spec` — the model, training and cluster descriptions and their YAML sections;
+* :mod:`.constraints` — the divisibility rules a layout must meet for a model;
+* :mod:`.memory` — parameters and bytes per rank and pipeline stage;
+* :mod:`.comm` — bytes each rank sends per step and group, and the time they take;
+* :mod:`.report` — both for one layout (``msdist plan --model``);
+* :mod:`.search` — every layout of a world, ranked (``msdist suggest``).
+
+Formulas and their sources: docs/COST_MODEL.md.
+
+    >>> from mindscience.distributed.topology import Layout
+    >>> from mindscience.distributed.costmodel import ModelSpec, Workload, estimate
+    >>> m = ModelSpec(num_layers=8, hidden_size=512, num_attention_heads=8,
+    ...               seq_length=1024, vocab_size=32000)
+    >>> estimate(Layout(world_size=8, tp=2, pp=2), Workload(model=m))["communication"]["bottleneck"]
+    'tp'
+"""
+
+from .constraints import check, violations
+from .errors import ModelConstraintError, ModelError, ModelFileError
+from .report import estimate
+from .memory import layer_activation_bytes, stage_parameters, stage_rows, total_parameters
+from .search import suggest
+from .spec import ClusterSpec, ModelSpec, TrainingSpec, Workload, load_workload, workload_from_mapping
+
+__all__ = [
+    "ClusterSpec",
+    "ModelConstraintError",
+    "ModelError",
+    "ModelFileError",
+    "ModelSpec",
+    "TrainingSpec",
+    "Workload",
+    "check",
+    "estimate",
+    "layer_activation_bytes",
+    "load_workload",
+    "stage_parameters",
+    "stage_rows",
+    "suggest",
+    "total_parameters",
+    "violations",
+    "workload_from_mapping",
+]

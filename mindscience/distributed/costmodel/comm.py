@@ -1,0 +1,128 @@
+"""Bytes each rank sends per training step, per group, and the time they take.
+
+Per step one rank sends, for each group of the layout (``count`` calls of ``message``
+bytes, ring algorithms as nccl-tests count them):
+
+============  =======================================  ===========================================
+group         op (per layer and micro-batch)            message (one call)
+============  =======================================  ===========================================
+tp            all_reduce x 4 (2 fwd, 2 bwd)             ``s/cp * b * h`` activations
+tp with SP    all_gather x 6, reduce_scatter x 4        the same (the backward all-gathers the
+                                                        column-linear inputs again, Korthikanti 4.2.2)
+cp (Ulysses)  all_to_all x 8 (q, k, v, out; fwd+bwd)    ``s/cp * b * h/tp`` (k, v: ``g*d/tp``)
+pp            send_recv x 2 per micro-batch             ``s/cp * b * h`` (``/tp`` with SP)
+dp-cp         all_reduce x 1 per step                   the rank's gradients
+dp-cp + DO    reduce_scatter + all_gather per step      gradients, then updated weights
+============  =======================================  ===========================================
+
+Full recomputation runs each layer's forward again (+2 tp collectives of each kind, +4
+all-to-alls). Bytes sent per call are ``message * factor``: ``2(n-1)/n`` for all-reduce,
+``(n-1)/n`` for all-gather, reduce-scatter and all-to-all, 1 for point-to-point: the
+nccl-tests bus factors, so the time is ``bytes / bandwidth`` with the cluster's per-device
+(bus) bandwidth, inter-node when any group of the key spans nodes
+(:meth:`~mindscience.distributed.topology.Layout.crossing_group_count`). The step total
+adds the groups up (no overlap), an upper bound.
+
+Example: tp=2 without sequence parallelism, one 1-layer stage, one micro-batch per step
+of ``s*b*h = 4`` bf16 values: 4 all-reduces of 8 bytes, each sending ``8 * 2*(2-1)/2 = 8``::
+
+    >>> from mindscience.distributed.costmodel.spec import ModelSpec, TrainingSpec
+    >>> m = ModelSpec(num_layers=1, hidden_size=2, num_attention_heads=2, seq_length=2, vocab_size=0)
+    >>> one = TrainingSpec(sequence_parallel=False, global_batch_size=1)
+    >>> row = traffic(m, one, tp=2, cp=1, pp=1, dp=1)[0]
+    >>> (row["group"], row["op"], row["count"], row["bytes"])
+    ('tp', 'all_reduce', 4, 32)
+"""
+
+from __future__ import annotations
+
+from .memory import BYTES, num_microbatches, stage_parameters
+from .spec import ClusterSpec, ModelSpec, TrainingSpec
+
+GROUPS = ("tp", "cp", "pp", "dp-cp")
+
+
+def send_factor(op: str, n: int) -> float:
+    """Bytes one rank sends per byte of the message in a ring of ``n`` (nccl-tests' bus factor)."""
+    if n <= 1:
+        return 0.0
+    if op == "send_recv":
+        return 1.0
+    return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def _row(group: str, op: str, size: int, count: int, total: int) -> dict:
+    # `total`: the bytes of all `count` messages; message_bytes is their mean.
+    return {
+        "group": group,
+        "op": op,
+        "group_size": size,
+        "count": count,
+        "message_bytes": total // count,
+        "bytes": round(total * send_factor(op, size)),
+    }
+
+
+def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int) -> list[dict]:
+    """Rows ``{group, op, group_size, count, message_bytes, bytes}`` for the busiest rank.
+
+    Layout-order independent: where ranks sit (and so which link carries them) is added
+    by :func:`timed`.
+    """
+    h, b = model.hidden_size, training.micro_batch_size
+    nbytes = BYTES[training.precision]
+    local = model.seq_length // cp
+    microbatches = num_microbatches(training, dp, tp * cp * pp * dp)
+    calls = (model.num_layers // pp) * microbatches  # layer passes per step
+    again = 1 if training.recompute == "full" else 0
+    sp = training.sequence_parallel and tp > 1
+    activation = local * b * h * nbytes["activation"]
+    rows = []
+    if tp > 1:
+        for op, per_layer in (("all_gather", 6), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),):
+            count = (per_layer + 2 * again) * calls
+            rows.append(_row("tp", op, tp, count, count * activation))
+    if cp > 1:
+        # q and out carry h/tp channels, k and v g*d/tp; forward, backward (and a recomputed forward).
+        kv = model.num_query_groups * model.kv_channels
+        one_pass = 2 * (h + kv) * local * b * nbytes["activation"] // tp
+        rows.append(_row("cp", "all_to_all", cp, 4 * (2 + again) * calls, (2 + again) * calls * one_pass))
+    if pp > 1:
+        sends = microbatches * (2 if pp > 2 else 1)  # a middle stage sends both ways
+        rows.append(_row("pp", "send_recv", pp, sends, sends * (activation // (tp if sp else 1))))
+    n = dp * cp
+    if n > 1:
+        params = max(sum(stage_parameters(model, tp, pp, s)) for s in {0, pp - 1})
+        if training.distributed_optimizer:
+            rows.append(_row("dp-cp", "reduce_scatter", n, 1, params * nbytes["gradients"]))
+            rows.append(_row("dp-cp", "all_gather", n, 1, params * nbytes["weights"]))
+        else:
+            rows.append(_row("dp-cp", "all_reduce", n, 1, params * nbytes["gradients"]))
+    return rows
+
+
+def timed(rows: list[dict], crossing: dict, cluster: ClusterSpec) -> dict:
+    """Add ``crosses_nodes`` and ``est_time_s`` to each row and sum them up.
+
+    Args:
+        rows: From :func:`traffic`.
+        crossing: ``{group key: True when any of its groups spans nodes}``.
+        cluster: The bandwidths.
+
+    Returns:
+        ``{"per_step": rows, "est_time_s": total, "bottleneck": slowest group or None}``.
+    """
+    per_step, by_group = [], {}
+    for row in rows:
+        crosses = bool(crossing.get(row["group"]))
+        gbps = cluster.inter_node_gbps if crosses else cluster.intra_node_gbps
+        seconds = row["bytes"] / (gbps * 1e9)
+        per_step.append({**row, "crosses_nodes": crosses, "est_time_s": seconds})
+        by_group[row["group"]] = by_group.get(row["group"], 0.0) + seconds
+    bottleneck = max(by_group, key=by_group.get) if by_group else None
+    return {"per_step": per_step, "est_time_s": sum(by_group.values()), "bottleneck": bottleneck}
+
+
+def crossing_flags(layout) -> dict:
+    """``{group key: any group spans nodes}`` for the keys that carry traffic (from the topology)."""
+    return {key: layout.crossing_group_count(key) > 0 for key in GROUPS}

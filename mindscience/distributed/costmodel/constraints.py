@@ -1,0 +1,104 @@
+"""Constraints a layout must meet for a model (Megatron's and Ulysses' divisibility rules).
+
+:func:`violations` lists every broken constraint of a (tp, cp, pp, dp) choice, each with a
+message that names the constraint, the values and the fix; :func:`check` raises the first.
+Both work on plain integers, so ``msdist suggest`` can screen thousands of sizes cheaply.
+
+Example:
+    >>> from mindscience.distributed.costmodel.spec import ModelSpec, TrainingSpec
+    >>> m = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96,
+    ...               seq_length=2048, vocab_size=51200)
+    >>> [name for name, _ in violations(m, TrainingSpec(), tp=5, cp=1, pp=7, dp=1)]
+    ['num_attention_heads % tp', 'ffn_hidden_size % tp', 'num_layers % pp', 'seq_length % (tp*cp)']
+"""
+
+from __future__ import annotations
+
+from .errors import ModelConstraintError
+from .spec import ModelSpec, TrainingSpec
+
+
+def _divisors(n: int, limit: int = 8) -> str:
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    shown = ", ".join(map(str, found[:limit]))
+    return shown + (", ..." if len(found) > limit else "")
+
+
+def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int) -> list[tuple[str, str]]:
+    """Every constraint the sizes break, as ``(name, message)`` pairs (empty: all hold).
+
+    The constraints (each message says why it exists and how to fix it):
+
+    * ``num_attention_heads % tp``, ``num_query_groups % tp``: tensor parallelism gives
+      each rank whole query heads and whole key/value groups;
+    * ``(num_attention_heads / tp) % cp``, ``(num_query_groups / tp) % cp``: Ulysses
+      context parallelism splits each tp rank's heads again over cp;
+    * ``ffn_hidden_size % tp``, ``vocab_size % tp``: column-parallel MLP and the
+      vocabulary-parallel embedding split these over tp;
+    * ``num_layers % pp``: every pipeline stage holds the same number of layers;
+    * ``seq_length % (tp*cp)`` with sequence parallelism (else ``seq_length % cp``);
+    * ``global_batch_size % (micro_batch_size*dp)`` when the global batch is given.
+    """
+    a, g = model.num_attention_heads, model.num_query_groups
+    found = []
+
+    def add(name: str, message: str) -> None:
+        found.append((name, f"{name} fails: {message}"))
+
+    if a % tp:
+        add("num_attention_heads % tp", f"num_attention_heads={a} is not divisible by tp={tp}: tensor "
+            f"parallelism gives each rank whole heads. Use a tp that divides {a} ({_divisors(a)}).")
+    elif (a // tp) % cp:
+        add("(num_attention_heads / tp) % cp", f"heads per tp rank {a}/{tp} = {a // tp} is not divisible "
+            f"by cp={cp}: Ulysses context parallelism splits each rank's heads over cp. Use a cp that "
+            f"divides {a // tp} ({_divisors(a // tp)}) or a smaller tp.")
+    if g != a and g % tp:  # grouped-query attention: the key/value groups split too
+        add("num_query_groups % tp", f"num_query_groups={g} is not divisible by tp={tp}: each tensor-"
+            f"parallel rank holds whole key/value groups. Use a tp that divides {g} ({_divisors(g)}).")
+    elif g != a and (g // tp) % cp:
+        add("(num_query_groups / tp) % cp", f"key/value groups per tp rank {g}/{tp} = {g // tp} is not "
+            f"divisible by cp={cp}: Ulysses context parallelism splits the key/value heads over cp too. "
+            f"Use a cp that divides {g // tp} ({_divisors(g // tp)}) or a smaller tp.")
+    if model.ffn_hidden_size % tp:
+        add("ffn_hidden_size % tp", f"ffn_hidden_size={model.ffn_hidden_size} is not divisible by tp={tp}: "
+            "the column-parallel MLP splits it over tp. Use a tp that divides "
+            f"{model.ffn_hidden_size} ({_divisors(model.ffn_hidden_size)}).")
+    if model.vocab_size % tp:
+        add("vocab_size % tp", f"vocab_size={model.vocab_size} is not divisible by tp={tp}: the embedding "
+            f"and the output layer split the vocabulary over tp. Pad vocab_size to a multiple of {tp} "
+            f"(Megatron pads to a multiple of 128*tp = {128 * tp}).")
+    if model.num_layers % pp:
+        add("num_layers % pp", f"num_layers={model.num_layers} is not divisible by pp={pp}: every "
+            f"pipeline stage holds the same number of layers. Use a pp that divides {model.num_layers} "
+            f"({_divisors(model.num_layers)}).")
+    s = model.seq_length
+    if training.sequence_parallel and s % (tp * cp):
+        add("seq_length % (tp*cp)", f"seq_length={s} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}: "
+            "sequence parallelism shards the sequence over the tp and cp ranks. Use tp and cp whose "
+            "product divides the sequence, or set training.sequence_parallel: false.")
+    elif not training.sequence_parallel and s % cp:
+        add("seq_length % cp", f"seq_length={s} is not divisible by cp={cp}: context parallelism shards "
+            f"the sequence over cp. Use a cp that divides {s} ({_divisors(s)}).")
+    gbs, mbs = training.global_batch_size, training.micro_batch_size
+    if gbs is not None and gbs % (mbs * dp):
+        add("global_batch_size % (micro_batch_size*dp)", f"global_batch_size={gbs} is not divisible by "
+            f"micro_batch_size*dp = {mbs}*{dp} = {mbs * dp}: every data-parallel rank runs the same "
+            f"number of micro-batches. Use a global_batch_size that is a multiple of {mbs * dp}, or "
+            "another dp.")
+    return found
+
+
+def check(model: ModelSpec, training: TrainingSpec, layout, source: str | None = None) -> None:
+    """Raise for the first constraint ``layout`` breaks.
+
+    Raises:
+        ModelConstraintError: with the constraint's name and a message prefixed by
+            ``source`` (the model or layout file) when given.
+    """
+    broken = violations(model, training, layout.tp, layout.cp, layout.pp, layout.dp)
+    if broken:
+        name, message = broken[0]
+        where = f"{source}: " if source else ""
+        subject = f"model {model.name}" if model.name else "the model"
+        on = f" on layout {layout.name}" if getattr(layout, "name", None) else ""
+        raise ModelConstraintError(f"{where}{subject}{on}: {message}", name)

@@ -1,0 +1,73 @@
+"""The estimates of one layout for one workload: what ``msdist plan LAYOUT --model M`` adds.
+
+Example:
+    >>> from mindscience.distributed.topology import Layout
+    >>> from mindscience.distributed.costmodel.spec import ModelSpec, Workload
+    >>> small = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=8,
+    ...                   seq_length=512, vocab_size=1024)
+    >>> report = estimate(Layout(world_size=8, tp=2, pp=2), Workload(model=small))
+    >>> [s["layers"] for s in report["memory"]["stages"]], report["memory"]["fits"]
+    ([2, 2], True)
+    >>> [(r["group"], r["op"]) for r in report["communication"]["per_step"]]
+    [('tp', 'all_gather'), ('tp', 'reduce_scatter'), ('pp', 'send_recv'), ('dp-cp', 'all_reduce')]
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ..topology.layout import Layout
+from ..topology.plan import DEFAULT_HCCL_BUFFSIZE_MB, RUNTIME_KEYS, memory_estimate
+from .comm import crossing_flags, timed, traffic
+from .constraints import check
+from .errors import ModelError
+from .memory import num_microbatches, pipeline_bubble, stage_rows, total_parameters
+from .spec import Workload
+
+MIB = 1024**2
+
+
+def communicator_bytes(layout: Layout, buffsize_mb: int = DEFAULT_HCCL_BUFFSIZE_MB) -> int:
+    """HCCL buffers of the communicators the runtime creates per rank (as ``msdist plan`` counts them)."""
+    return memory_estimate(layout, RUNTIME_KEYS, buffsize_mb)["buffer_mb_per_rank"] * MIB
+
+
+def memory_report(stages: list[dict], device_memory_bytes: int) -> dict:
+    """``{"stages", "peak_bytes", "device_memory_bytes", "fits"}`` from :func:`stage_rows`."""
+    peak = max(s["total_bytes"] for s in stages)
+    return {"stages": stages, "peak_bytes": peak, "device_memory_bytes": device_memory_bytes,
+            "fits": peak <= device_memory_bytes}
+
+
+def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL_BUFFSIZE_MB) -> dict:
+    """Per-stage memory and per-step communication of ``layout`` training ``workload``.
+
+    Returns:
+        ``{"model": {...}, "memory": {"stages": [...], "peak_bytes", "device_memory_bytes",
+        "fits"}, "communication": {"per_step": [...], "est_time_s", "bottleneck"}}``.
+
+    Raises:
+        ModelError: the workload has no model.
+        ModelConstraintError: the layout breaks a model constraint.
+    """
+    model, training, cluster = workload.model, workload.training, workload.cluster
+    if model is None:
+        raise ModelError(
+            "no model to estimate: pass --model FILE or a preset name, or add a 'model:' section "
+            "to the layout file.")
+    check(model, training, layout, workload.source)
+    sizes = (layout.tp, layout.cp, layout.pp, layout.dp)
+    stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb))
+    communication = timed(traffic(model, training, *sizes), crossing_flags(layout), cluster)
+    microbatches = num_microbatches(training, layout.dp, layout.world_size)
+    summary = {
+        "name": model.name,
+        "source": workload.source,
+        "parameters": total_parameters(model),
+        "num_microbatches": microbatches,
+        "pipeline_bubble": pipeline_bubble(layout.pp, microbatches),
+        "training": asdict(training),
+        "cluster": asdict(cluster),
+    }
+    return {"model": summary, "memory": memory_report(stages, cluster.device_memory_bytes),
+            "communication": communication}

@@ -1,0 +1,324 @@
+"""What the cost model needs to know besides the layout: the model, the training and the cluster.
+
+Each is a frozen dataclass validated at construction, so a training script can build one
+by hand; :func:`workload_from_mapping` reads the ``model:``, ``training:`` and ``cluster:``
+sections of a YAML mapping (a layout file or a model file) with one-line errors naming the
+file and the dotted key::
+
+    model:
+      num_layers: 96
+      hidden_size: 12288
+      num_attention_heads: 96
+      num_query_groups: 96        # default = heads (grouped-query attention when smaller)
+      ffn_hidden_size: 49152      # default 4 * hidden_size
+      seq_length: 2048
+      vocab_size: 51200           # 0: no token embedding / output logits (e.g. patches)
+    training:                     # these are the defaults
+      micro_batch_size: 1
+      global_batch_size: 1536     # default micro_batch_size * world_size
+      precision: bf16             # bf16 | fp16 | fp32
+      distributed_optimizer: false
+      recompute: none             # none | selective | full
+      sequence_parallel: true
+    cluster:                      # these are the defaults
+      device_memory_gb: 64        # GiB (2**30 bytes) per device
+      intra_node_gbps: 90         # per-device bandwidth inside a node, GB/s (1e9 bytes/s)
+      inter_node_gbps: 25         # per-device bandwidth between nodes, GB/s
+      devices_per_node: 8         # only used by `msdist suggest` (default 8)
+
+Example:
+    >>> m = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+    ...               vocab_size=100, num_query_groups=2)
+    >>> (m.ffn_hidden_size, m.kv_channels)
+    (256, 16)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from ..topology.layout_file import LAYOUT_KEYS, SECTIONS, read_yaml_mapping
+from .errors import ModelError, ModelFileError
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+RECOMPUTE = ("none", "selective", "full")
+DEFAULT_DEVICES_PER_NODE = 8
+GIB = 1024**3
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> None:
+    # bool is an int subclass: `num_layers: true` must not pass as 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ModelError(
+            f"{name}={value!r} is invalid: expected an integer >= {minimum}. Set {name} to the "
+            "model's real value."
+        )
+
+
+def _positive_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelError(f"{name}={value!r} is invalid: expected a number > 0. Set {name} to e.g. 64.")
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ModelError(f"{name}={value!r} is invalid: expected one of {', '.join(choices)}.")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT-style transformer (Narayanan et al. 2021): its shape decides parameters and activations.
+
+    Args:
+        num_layers: Transformer layers (``l``).
+        hidden_size: Hidden size (``h``).
+        num_attention_heads: Attention heads (``a``); must divide ``hidden_size``.
+        seq_length: Tokens per sample (``s``).
+        vocab_size: Vocabulary (``v``); 0 for a model without token embedding and logits.
+        num_query_groups: Key/value heads (``g``), default ``a``; grouped-query attention
+            when smaller, must divide ``a``.
+        ffn_hidden_size: MLP width (``f``), default ``4 * h``.
+        name: Optional label.
+
+    Raises:
+        ModelError: a value out of range, with the fix.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    name: str | None = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("vocab_size", self.vocab_size, minimum=0)
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        _positive_int("num_query_groups", self.num_query_groups)
+        _positive_int("ffn_hidden_size", self.ffn_hidden_size)
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if self.hidden_size % heads:
+            raise ModelError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}: "
+                "every head has hidden_size / heads channels. Use a head count that divides "
+                "hidden_size."
+            )
+        if groups > heads or heads % groups:
+            raise ModelError(
+                f"num_query_groups={groups} does not divide num_attention_heads={heads}: each "
+                "key/value group serves the same number of query heads. Use a divisor of "
+                f"{heads} (= {heads} without grouped-query attention)."
+            )
+
+    @property
+    def kv_channels(self) -> int:
+        """Channels per head, ``h / a``."""
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How the model is trained: batch, precision, optimizer sharding, recomputation.
+
+    Args:
+        micro_batch_size: Samples per micro-batch (``b``).
+        global_batch_size: Samples per step, ``micro_batch_size * dp`` times the number
+            of micro-batches. None: ``micro_batch_size * world_size`` (one micro-batch
+            per device, the same samples per step for every layout of a world).
+        precision: ``bf16``/``fp16`` (mixed precision, fp32 master weights) or ``fp32``.
+        distributed_optimizer: Shard the optimizer state over the dp-cp group (Megatron's
+            distributed optimizer / ZeRO-1).
+        recompute: ``none``, ``selective`` (the attention core) or ``full`` (each layer).
+        sequence_parallel: Shard the non-tensor-parallel activations over tp.
+
+    Raises:
+        ModelError: a value out of range or an unknown choice.
+    """
+
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    precision: str = "bf16"
+    distributed_optimizer: bool = False
+    recompute: str = "none"
+    sequence_parallel: bool = True
+
+    def __post_init__(self):
+        _positive_int("micro_batch_size", self.micro_batch_size)
+        if self.global_batch_size is not None:
+            _positive_int("global_batch_size", self.global_batch_size)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        for name in ("distributed_optimizer", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The devices: memory and per-device link bandwidths (achievable bus bandwidth).
+
+    Args:
+        device_memory_gb: Memory per device in GiB.
+        intra_node_gbps: Per-device bandwidth between devices of one node, GB/s.
+        inter_node_gbps: Per-device bandwidth between nodes, GB/s.
+        devices_per_node: Devices per node for ``msdist suggest`` (a layout brings its own).
+
+    Raises:
+        ModelError: a value that is not positive.
+    """
+
+    device_memory_gb: float = 64
+    intra_node_gbps: float = 90
+    inter_node_gbps: float = 25
+    devices_per_node: int | None = None
+
+    def __post_init__(self):
+        for name in ("device_memory_gb", "intra_node_gbps", "inter_node_gbps"):
+            _positive_number(name, getattr(self, name))
+        if self.devices_per_node is not None:
+            _positive_int("devices_per_node", self.devices_per_node)
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return int(self.device_memory_gb * GIB)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model with its training and cluster: everything the estimates read besides the layout.
+
+    ``model`` is None for a layout file without a ``model:`` section.
+    """
+
+    model: ModelSpec | None = None
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    source: str | None = None
+
+
+# section -> (dataclass, {key: (accepted types, human type)})
+_INT, _NUM, _BOOL, _STR = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "true or false"), ((str,), "a string")
+_SCHEMAS = {
+    "model": (ModelSpec, {f.name: (_STR if f.name == "name" else _INT) for f in fields(ModelSpec)}),
+    "training": (TrainingSpec, {
+        "micro_batch_size": _INT, "global_batch_size": _INT, "precision": ((str,), "one of bf16, fp16, fp32"),
+        "distributed_optimizer": _BOOL, "recompute": ((str,), "one of none, selective, full"),
+        "sequence_parallel": _BOOL,
+    }),
+    "cluster": (ClusterSpec, {
+        "device_memory_gb": _NUM, "intra_node_gbps": _NUM, "inter_node_gbps": _NUM, "devices_per_node": _INT,
+    }),
+}
+_OPTIONAL = {"num_query_groups", "ffn_hidden_size", "name", "global_batch_size", "devices_per_node"}
+
+
+def section_from_mapping(section: str, data, source: str):
+    """Build the spec of one section (``"model"``, ``"training"`` or ``"cluster"``).
+
+    Raises:
+        ModelFileError: not a mapping, an unknown key, a wrong type, or an invalid value;
+            the message names ``source`` and the dotted key.
+    """
+    cls, schema = _SCHEMAS[section]
+    if not isinstance(data, dict):
+        raise ModelFileError(
+            f"{source}: section {section!r} is {type(data).__name__}: expected a mapping of "
+            f"{', '.join(schema)}.", source, section)
+    for key, value in data.items():
+        dotted = f"{section}.{key}"
+        if key not in schema:
+            raise ModelFileError(
+                f"{source}: unknown key {dotted!r}: expected one of {', '.join(schema)}. Remove it "
+                "or fix its spelling.", source, dotted)
+        types, expected = schema[key]
+        if value is None and key in _OPTIONAL:
+            continue
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise ModelFileError(
+                f"{source}: key {dotted!r} has value {value!r} ({type(value).__name__}): expected "
+                f"{expected}.", source, dotted)
+    kwargs = {k: v for k, v in data.items() if v is not None}
+    if section == "model":
+        missing = [f.name for f in fields(ModelSpec) if f.name not in kwargs and f.name not in _OPTIONAL]
+        if missing:
+            raise ModelFileError(
+                f"{source}: key 'model.{missing[0]}' is missing: expected the model's "
+                f"{missing[0]} (required: {', '.join(missing)}).", source, f"model.{missing[0]}")
+    if section == "training":
+        kwargs = {k: v.lower() if k in ("precision", "recompute") else v for k, v in kwargs.items()}
+    try:
+        return cls(**kwargs)
+    except ModelError as err:
+        key = str(err).split("=", 1)[0]
+        raise ModelFileError(f"{source}: {section}.{err}", source, f"{section}.{key}") from None
+
+
+def workload_from_mapping(data, source: str = "<model>", base: Workload | None = None) -> Workload:
+    """The workload described by the sections of ``data``; absent sections come from ``base``.
+
+    ``data`` is a parsed layout file or model file: besides the three sections it may hold
+    the layout keys (ignored here). Without a model name the file's stem is used.
+
+    Raises:
+        ModelFileError: an unknown top-level key or a bad section.
+    """
+    if not isinstance(data, dict):
+        raise ModelFileError(
+            f"{source}: expected a mapping with a 'model' section, got {type(data).__name__}.", source)
+    for key in data:
+        if key not in SECTIONS and key not in LAYOUT_KEYS:
+            raise ModelFileError(
+                f"{source}: unknown key {key!r}: expected the sections {', '.join(SECTIONS)} (and "
+                "optionally layout keys). Remove it or fix its spelling.", source, str(key))
+    base = base or Workload()
+    specs = {s: section_from_mapping(s, data[s], source) for s in SECTIONS if s in data}
+    model = specs.get("model", base.model)
+    if "model" in specs and model.name is None:
+        model = replace(model, name=str(data.get("name") or Path(source).stem))
+    return Workload(
+        model=model,
+        training=specs.get("training", base.training),
+        cluster=specs.get("cluster", base.cluster),
+        source=source if "model" in specs else base.source,
+    )
+
+
+def workload_sections(workload: Workload) -> dict:
+    """The workload as the ``model``/``training``/``cluster`` mappings a YAML file holds
+    (what :func:`workload_from_mapping` reads back)."""
+    sections = {}
+    for key in SECTIONS:
+        spec = getattr(workload, key)
+        if spec is not None:
+            sections[key] = {k: v for k, v in asdict(spec).items() if v is not None}
+    return sections
+
+
+def load_workload(path: str | os.PathLike, base: Workload | None = None) -> Workload:
+    """Read a model file (a YAML with a ``model:`` section, optionally ``training:``/``cluster:``).
+
+    Raises:
+        ModelFileError: missing file, bad YAML, no ``model`` section, or a bad value.
+    """
+    path = os.fspath(path)
+    try:
+        data = read_yaml_mapping(path, what="model")
+    except ModelFileError:
+        raise
+    except ValueError as err:
+        raise ModelFileError(str(err), path) from None
+    if not isinstance(data, dict) or "model" not in data:
+        raise ModelFileError(
+            f"{path}: no 'model' section: a model file holds 'model:' (num_layers, hidden_size, "
+            "num_attention_heads, seq_length, vocab_size) and optionally 'training:' and 'cluster:'.",
+            path, "model")
+    return workload_from_mapping(data, path, base)

@@ -1,0 +1,256 @@
+"""``msdist plan --model`` and ``msdist suggest`` through typer's CliRunner."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mindscience.distributed.costmodel import estimate, load_workload, violations
+from mindscience.distributed.costmodel.search import size_choices
+from mindscience.distributed.topology import Layout, load_layout
+from mscli.layouts import bundled_layouts, bundled_models, load
+from mscli.main import app
+from test_cli_plan import assert_bad_input, write
+
+runner = CliRunner()
+STAGE_KEYS = {"stage", "layers", "parameters", "weights_bytes", "gradients_bytes", "optimizer_bytes",
+              "activations_bytes", "communicator_bytes", "total_bytes"}
+STEP_KEYS = {"group", "op", "bytes", "count", "crosses_nodes", "est_time_s"}
+CANDIDATE_KEYS = {"tp", "cp", "dp", "pp", "order", "peak_bytes", "fits", "est_time_s", "bottleneck"}
+SMALL_MODEL = """\
+model:
+  num_layers: 4
+  hidden_size: 256
+  num_attention_heads: 8
+  seq_length: 512
+  vocab_size: 1024
+"""
+
+
+def invoke(*args, **kwargs):
+    return runner.invoke(app, [str(a) for a in args], **kwargs)
+
+
+# ------------------------------------------------------------------ presets
+def test_presets_are_bundled_and_not_listed_as_layouts():
+    assert {"gpt3-175b", "gqa-7b", "sci-transformer-s"} <= set(bundled_models())
+    assert not set(bundled_models()) & set(bundled_layouts())
+    gqa = load_workload(bundled_models()["gqa-7b"]).model
+    assert gqa.num_query_groups < gqa.num_attention_heads
+    assert load_workload(bundled_models()["gpt3-175b"]).training.recompute == "selective"
+
+
+# ------------------------------------------------------------------ plan --model
+def test_plan_model_json_keys_and_values():
+    result = invoke("plan", "ascend-64", "--model", "gqa-7b", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["world_size"] == 64 and "groups" in data  # the plan is unchanged
+    memory, comm = data["memory"], data["communication"]
+    assert set(memory) >= {"stages", "peak_bytes", "device_memory_bytes", "fits"}
+    assert len(memory["stages"]) == 2 and all(STAGE_KEYS <= set(s) for s in memory["stages"])
+    assert memory["peak_bytes"] == max(s["total_bytes"] for s in memory["stages"])
+    assert memory["device_memory_bytes"] == 64 * 1024**3 and memory["fits"] is True
+    assert all(s["communicator_bytes"] == data["communicators"]["buffer_mb_per_rank"] * 1024**2
+               for s in memory["stages"])
+    assert set(comm) >= {"per_step", "est_time_s", "bottleneck"}
+    assert all(STEP_KEYS <= set(r) for r in comm["per_step"])
+    groups = {r["group"] for r in comm["per_step"]}
+    assert groups == {"tp", "cp", "pp", "dp-cp"}
+    crossing = {r["group"]: r["crosses_nodes"] for r in comm["per_step"]}
+    # ascend-64 keeps tp and cp inside a node; pp and dp-cp cross (as the plan marks them).
+    assert crossing == {"tp": False, "cp": False, "pp": True, "dp-cp": True}
+    assert all(bool(data["cross_node"][k]) == v for k, v in crossing.items())
+    assert comm["est_time_s"] == pytest.approx(sum(r["est_time_s"] for r in comm["per_step"]))
+
+
+def test_plan_model_tables_in_human_view_and_svg(tmp_path):
+    svg = tmp_path / "plan.svg"
+    result = invoke("plan", "ascend-64", "-m", "gpt3-175b", "--svg", svg)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "memory per rank: gpt3-175b" in out and "does NOT fit" in out
+    assert "communication per step" in out and "bottleneck: tp" in out
+    text = svg.read_text()
+    assert "memory" in text and "communication" in text and "bottleneck" in text
+
+
+def test_layout_file_with_model_section_and_override(tmp_path):
+    layout = write(tmp_path, "world_size: 8\ntp: 2\npp: 2\ncluster:\n  device_memory_gb: 1\n" + SMALL_MODEL,
+                   "layout.yaml")
+    data = json.loads(invoke("plan", layout, "--format", "json").stdout)
+    assert data["model"]["parameters"] == 4 * (12 * 256**2 + 13 * 256) + (1024 + 512) * 256 + 2 * 256
+    assert data["memory"]["device_memory_bytes"] == 1024**3
+    # --model replaces the model; the layout's cluster section stays.
+    data = json.loads(invoke("plan", layout, "--model", "sci-transformer-s", "--format", "json").stdout)
+    assert data["model"]["name"] == "sci-transformer-s" and data["memory"]["fits"] is False
+    # Without a model section there is no estimate.
+    assert "memory" not in json.loads(invoke("plan", "cpu-4", "--format", "json").stdout)
+
+
+def test_plan_rank_view_with_model():
+    result = invoke("plan", "cpu-8-pp2", "--rank", "5", "-m", "sci-transformer-s")
+    assert result.exit_code == 0, result.output
+    assert "rank 5" in result.stdout and "memory per rank" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "layout,model,fragments",
+    [
+        ("world_size: 8\ntp: 8\n", SMALL_MODEL.replace("num_attention_heads: 8", "num_attention_heads: 4"),
+         ["num_attention_heads % tp fails", "num_attention_heads=4", "tp=8", "Use a tp that divides 4"]),
+        ("world_size: 8\npp: 8\n", SMALL_MODEL, ["num_layers % pp fails", "Use a pp that divides 4"]),
+        ("world_size: 8\ntp: 2\ncp: 4\n", SMALL_MODEL.replace("num_attention_heads: 8", "num_attention_heads: 2"),
+         ["(num_attention_heads / tp) % cp fails", "Ulysses"]),
+        ("world_size: 8\ntp: 4\n", SMALL_MODEL + "  num_query_groups: 2\n", ["num_query_groups % tp fails"]),
+        ("world_size: 8\ntp: 8\n", SMALL_MODEL.replace("seq_length: 512", "seq_length: 12"),
+         ["seq_length % (tp*cp) fails", "sequence_parallel: false"]),
+        ("world_size: 8\ntp: 2\n", SMALL_MODEL + "training:\n  global_batch_size: 3\n",
+         ["global_batch_size % (micro_batch_size*dp) fails", "multiple of 4"]),
+    ],
+)
+def test_plan_constraint_errors_exit_2_one_line(tmp_path, layout, model, fragments):
+    layout_path = write(tmp_path, layout, "layout.yaml")
+    model_path = write(tmp_path, model, "model.yaml")
+    assert_bad_input(invoke("plan", layout_path, "--model", model_path), model_path, *fragments)
+    assert_bad_input(invoke("plan", layout_path, "--model", model_path, "--format", "json"), *fragments)
+
+
+@pytest.mark.parametrize(
+    "text,fragments",
+    [
+        (SMALL_MODEL + "  foo: 1\n", ["unknown key 'model.foo'", "num_layers"]),
+        (SMALL_MODEL.replace("num_layers: 4", "num_layers: four"), ["key 'model.num_layers'", "expected an integer"]),
+        (SMALL_MODEL.replace("  vocab_size: 1024\n", ""), ["'model.vocab_size' is missing"]),
+        (SMALL_MODEL.replace("hidden_size: 256", "hidden_size: 250"), ["model.hidden_size=250 is not divisible"]),
+        (SMALL_MODEL + "  num_query_groups: 3\n", ["model.num_query_groups=3 does not divide"]),
+        (SMALL_MODEL + "training:\n  precision: fp8\n", ["training.precision='fp8'", "bf16, fp16, fp32"]),
+        (SMALL_MODEL + "training:\n  recompute: yes\n", ["key 'training.recompute'"]),
+        (SMALL_MODEL + "training:\n  sequence_parallel: 1\n", ["key 'training.sequence_parallel'", "true or false"]),
+        (SMALL_MODEL + "cluster:\n  device_memory_gb: 0\n", ["cluster.device_memory_gb=0 is invalid"]),
+        (SMALL_MODEL + "cluster: 64\n", ["section 'cluster'", "expected a mapping"]),
+        (SMALL_MODEL + "modle: {}\n", ["unknown key 'modle'"]),
+        ("training:\n  micro_batch_size: 2\n", ["no 'model' section"]),
+        ("model: [1\n", ["malformed YAML"]),
+        ("", ["empty", "'model' section"]),
+    ],
+)
+def test_model_file_errors_name_file_and_key(tmp_path, text, fragments):
+    path = write(tmp_path, text, "model.yaml")
+    assert_bad_input(invoke("plan", "cpu-4", "--model", path), path, *fragments)
+    assert_bad_input(invoke("suggest", "--model", path, "--world", "8"), path, *fragments)
+
+
+def test_bad_section_in_layout_file_is_a_layout_error(tmp_path):
+    path = write(tmp_path, "world_size: 4\nmodel: 3\n", "layout.yaml")
+    assert_bad_input(invoke("plan", path), path, "section 'model'", "expected a mapping")
+
+
+def test_unknown_model_preset():
+    assert_bad_input(invoke("plan", "cpu-4", "--model", "gpt5"), "gpt5", "gpt3-175b", "gqa-7b")
+
+
+# ------------------------------------------------------------------ suggest
+def check_candidates(data, workload, world, per_node):
+    """Every candidate is a valid layout that fits, agrees with plan's estimate, best first."""
+    model, training = workload.model, workload.training
+    assert data["candidates"], data["rejected"]
+    for c in data["candidates"]:
+        assert CANDIDATE_KEYS <= set(c)
+        layout = Layout(world_size=world, tp=c["tp"], cp=c["cp"], pp=c["pp"], dp=c["dp"],
+                        order=c["order"], devices_per_node=per_node)
+        assert violations(model, training, c["tp"], c["cp"], c["pp"], c["dp"]) == []
+        same = estimate(layout, workload)
+        assert c["fits"] is True and c["peak_bytes"] == same["memory"]["peak_bytes"] <= data["device_memory_bytes"]
+        assert c["est_time_s"] == pytest.approx(same["communication"]["est_time_s"])
+        assert c["bottleneck"] == same["communication"]["bottleneck"]
+    keys = [(c["est_time_s"], c["peak_bytes"]) for c in data["candidates"]]
+    assert keys == sorted(keys)
+    assert data["valid"] + sum(data["rejected"].values()) == len(list(size_choices(world)))
+
+
+@pytest.mark.parametrize("model,world,per_node", [("gqa-7b", 64, 8), ("gpt3-175b", 4096, 8), ("sci-transformer-s", 64, 4)])
+def test_suggest_returns_only_valid_layouts_sorted(model, world, per_node):
+    result = invoke("suggest", "--model", model, "--world", world, "--devices-per-node", per_node,
+                    "--top", 1000, "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["world_size"], data["devices_per_node"]) == (world, per_node)
+    check_candidates(data, load_workload(bundled_models()[model]), world, per_node)
+
+
+def test_suggest_picks_the_fastest_order_of_each_size():
+    workload = load_workload(bundled_models()["gqa-7b"])
+    data = json.loads(invoke("suggest", "-m", "gqa-7b", "-w", 32, "--top", 1000, "--format", "json").stdout)
+    import itertools
+
+    for c in data["candidates"][:6]:
+        times = [estimate(Layout(world_size=32, tp=c["tp"], cp=c["cp"], pp=c["pp"], order="-".join(o),
+                                 devices_per_node=8), workload)["communication"]["est_time_s"]
+                 for o in itertools.permutations(("tp", "cp", "dp", "pp"))]
+        assert c["est_time_s"] == pytest.approx(min(times))
+
+
+def test_suggest_table_and_top():
+    result = invoke("suggest", "-m", "gpt3-175b", "-w", 64)
+    assert result.exit_code == 0, result.output
+    assert "gpt3-175b on 64 devices (8 node(s) x 8)" in result.stdout
+    assert "tp-cp-dp-pp" in result.stdout and "rejected sizes" in result.stdout
+    data = json.loads(invoke("suggest", "-m", "gqa-7b", "-w", 64, "--top", 3, "--format", "json").stdout)
+    assert len(data["candidates"]) == 3 and data["valid"] > 3
+
+
+def test_device_memory_option_changes_what_fits():
+    big = json.loads(invoke("suggest", "-m", "gpt3-175b", "-w", 64, "--format", "json").stdout)
+    small = json.loads(invoke("suggest", "-m", "gpt3-175b", "-w", 64, "--device-memory-gb", 80,
+                              "--top", 100, "--format", "json").stdout)
+    assert small["valid"] > big["valid"] and small["device_memory_bytes"] == 80 * 1024**3
+
+
+def test_nothing_fits_names_the_closest_and_why():
+    result = invoke("suggest", "-m", "gpt3-175b", "-w", 8)
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    message = result.stderr
+    assert "no layout of 8 devices fits 64.0 GiB" in message and "Closest: tp=8" in message
+    assert "optimizer" in message and "over" in message and "recompute: full" in message
+    data = json.loads(invoke("suggest", "-m", "gpt3-175b", "-w", 8, "--format", "json").stdout)
+    assert data["candidates"] == [] and data["closest"]["fits"] is False
+    assert data["closest"]["over_bytes"] > 0 and data["rejected"] == {"does not fit device memory": 20}
+
+
+def test_no_size_meets_the_constraints():
+    result = invoke("suggest", "-m", "gpt3-175b", "-w", 7)
+    assert result.exit_code == 1
+    assert "meets the model's constraints" in result.stderr and "num_layers % pp" in result.stderr
+
+
+def test_write_saves_a_layout_plan_and_verify_accept(tmp_path):
+    target = tmp_path / "best.yaml"
+    result = invoke("suggest", "-m", "gqa-7b", "-w", 64, "--write", target, "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    best = json.loads(result.stdout)["candidates"][0]
+    layout = load_layout(target)
+    assert (layout.tp, layout.cp, layout.dp, layout.pp, "-".join(layout.axes)) == (
+        best["tp"], best["cp"], best["dp"], best["pp"], best["order"])
+    assert (layout.world_size, layout.devices_per_node, layout.backend) == (64, 8, "ascend")
+    assert load(str(target))[0] == layout  # what `msdist verify` reads
+    planned = json.loads(invoke("plan", target, "--format", "json").stdout)
+    assert planned["memory"]["peak_bytes"] == best["peak_bytes"]  # the model sections came along
+    assert planned["communication"]["est_time_s"] == pytest.approx(best["est_time_s"])
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--world", "0"], "--world 0 is invalid"),
+        (["--world", "64", "--devices-per-node", "6"], "--devices-per-node 6 is invalid"),
+        (["--world", "64", "--device-memory-gb", "0"], "--device-memory-gb 0.0 is invalid"),
+        (["--world", "64", "--top", "0"], "--top 0 is invalid"),
+        (["--world", "64", "--format", "yaml"], "--format 'yaml' is invalid"),
+        (["--world", "64", "--backend", "tpu"], "--backend 'tpu' is invalid"),
+        (["--world", "64", "--write", "/no/such/dir/best.yaml"], "does not exist"),
+    ],
+)
+def test_suggest_option_errors(args, fragment):
+    assert_bad_input(invoke("suggest", "--model", "gqa-7b", *args), fragment)

@@ -1,0 +1,294 @@
+"""Cost model: parameters, Korthikanti's activation formulas, stage memory, traffic, constraints.
+
+Expected values are written out by hand from the papers' formulas (not from the module).
+"""
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mindscience.distributed.costmodel import (
+    ClusterSpec,
+    ModelConstraintError,
+    ModelError,
+    ModelSpec,
+    TrainingSpec,
+    Workload,
+    check,
+    estimate,
+    layer_activation_bytes,
+    stage_parameters,
+    stage_rows,
+    total_parameters,
+    violations,
+)
+from mindscience.distributed.costmodel.comm import send_factor, traffic
+from mindscience.distributed.topology import Layout
+
+GPT3 = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
+                 vocab_size=51200, name="gpt3")
+L, H, A, S, V = 96, 12288, 96, 2048, 51200
+SBH = S * 1 * H  # micro-batch 1
+MIB = 1024**2
+
+
+# ------------------------------------------------------------------ parameters
+def test_gpt3_parameter_count_matches_narayanan():
+    # Narayanan et al. 2021: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)) = 174.6 B.
+    narayanan = 12 * L * H**2 + 13 * L * H + (V + S) * H
+    assert narayanan == 174_615_822_336
+    total = total_parameters(GPT3)
+    assert total == narayanan + 2 * H  # plus the final layernorm the paper's formula drops
+    assert abs(total - 174.6e9) / 174.6e9 < 0.005
+
+
+def test_gqa_and_ffn_parameters():
+    # 7B-shaped GQA: q h*h, k and v h*(g*d) each, out h*h, MLP 2*h*f; biases h+2gd, h, f, h; 2 layernorms 4h.
+    m = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                  ffn_hidden_size=21504, seq_length=4096, vocab_size=32000)
+    d, kv = 128, 8 * 128
+    layer = 4096 * (4096 + 2 * kv) + 4096 * 4096 + 2 * 4096 * 21504 + (4096 + 2 * kv) + 4096 + 21504 + 4096 + 4 * 4096
+    assert m.kv_channels == d
+    assert total_parameters(m) == 32 * layer + 32000 * 4096 + 4096 * 4096 + 2 * 4096
+
+
+def test_stage_parameters_gpt3_tp8_pp8():
+    # Per layer: split 12h^2 + 7h (weights, QKV and first-MLP biases) over tp; 6h replicated.
+    split, replicated = 12 * H * H + 7 * H, 6 * H
+    first = stage_parameters(GPT3, tp=8, pp=8, stage=0)
+    assert first == (12 * split // 8 + V * H // 8, 12 * replicated + S * H)
+    assert first[0] + first[1] == 2_822_731_776
+    assert stage_parameters(GPT3, 8, 8, 3) == (12 * split // 8, 12 * replicated)
+    assert stage_parameters(GPT3, 8, 8, 7) == (12 * split // 8, 12 * replicated + 2 * H)
+
+
+@st.composite
+def sharded_models(draw):
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    pp = draw(st.sampled_from([1, 2, 3, 4]))
+    groups = tp * draw(st.integers(1, 3))
+    heads = groups * draw(st.integers(1, 3))
+    model = ModelSpec(
+        num_layers=pp * draw(st.integers(1, 4)),
+        hidden_size=heads * draw(st.integers(1, 16)),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=tp * draw(st.integers(1, 64)),
+        seq_length=draw(st.integers(1, 4096)),
+        vocab_size=tp * draw(st.integers(0, 1000)),
+    )
+    return model, tp, pp
+
+
+@settings(max_examples=200, deadline=None)
+@given(sharded_models())
+def test_parameters_summed_over_the_tp_pp_grid_equal_the_total(case):
+    """Every parameter is held by exactly one rank of a tp x pp grid, except the replicated
+    ones (layernorms, row-parallel biases, positions), which each of the tp ranks holds."""
+    model, tp, pp = case
+    per_rank = [stage_parameters(model, tp, pp, stage) for stage in range(pp) for _ in range(tp)]
+    held = sum(shard + whole for shard, whole in per_rank)
+    replicated_copies = (tp - 1) * sum(stage_parameters(model, tp, pp, s)[1] for s in range(pp))
+    assert held - replicated_copies == total_parameters(model)
+
+
+# ------------------------------------------------------------------ activations (Korthikanti Table 2)
+def korthikanti(t, sp, recompute):
+    """Table 2 of Korthikanti et al. 2022 in bytes per layer (16-bit activations)."""
+    if recompute == "full":
+        return Fraction(2 * SBH, t if sp else 1)
+    if recompute == "selective":
+        per = Fraction(34, t) if sp else 10 + Fraction(24, t)
+    else:
+        scores = Fraction(5 * A * S, H * t)
+        per = Fraction(34, t) + scores if sp else 10 + Fraction(24, t) + scores
+    return SBH * per
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("t,sp", [(1, False), (8, False), (8, True), (4, True), (2, False)])
+def test_layer_activations_reproduce_table_2(t, sp, recompute):
+    training = TrainingSpec(recompute=recompute, sequence_parallel=sp)
+    assert layer_activation_bytes(GPT3, training, tp=t, cp=1) == korthikanti(t, sp, recompute)
+
+
+def test_gpt3_tp8_sp_selective_is_34_over_t_exactly():
+    value = layer_activation_bytes(GPT3, TrainingSpec(recompute="selective"), tp=8, cp=1)
+    assert value == S * 1 * H * 34 // 8 == 106_954_752
+    # Unparallelized: s*b*h*(34 + 5*a*s/h) = sbh * (34 + 80).
+    assert layer_activation_bytes(GPT3, TrainingSpec(sequence_parallel=False), 1, 1) == SBH * 114
+
+
+def test_fp32_activations_double_every_non_mask_term():
+    # 16 bits: 10 = 4 tensors * 2 + 2 masks; 24 = 12 * 2; 5 = 2 * 2 + 1 mask. 32 bits: 18, 48, 9.
+    training = TrainingSpec(precision="fp32", sequence_parallel=False)
+    assert layer_activation_bytes(GPT3, training, 8, 1) == SBH * (18 + Fraction(48, 8) + Fraction(9 * A * S, H * 8))
+
+
+def test_context_parallel_divides_the_sequence_and_keeps_full_attention():
+    # Ulysses: s/cp tokens per rank; scores for a/(t*cp) heads over the whole sequence.
+    training = TrainingSpec(sequence_parallel=True)
+    got = layer_activation_bytes(GPT3, training, tp=4, cp=2)
+    assert got == (S // 2) * H * Fraction(34, 4) + 5 * (A // 8) * S * S
+
+
+def test_gpt3_stage_memory_tp8_pp8_by_hand():
+    training = TrainingSpec(global_batch_size=1536, recompute="selective")
+    layout = Layout(world_size=64, tp=8, pp=8, devices_per_node=8)
+    report = estimate(layout, Workload(model=GPT3, training=training))
+    first = report["memory"]["stages"][0]
+    params = 2_822_731_776
+    layer = 106_954_752
+    scores = 5 * A * S * S // 8  # the one layer being recomputed
+    embedding = (8 * S + SBH // 8) * 8  # token ids + dropout mask, 8 micro-batches in flight
+    activations = 12 * layer * 8 + scores + embedding
+    assert first["microbatches_in_flight"] == 8 and report["model"]["num_microbatches"] == 1536
+    assert first["parameters"] == params
+    assert (first["weights_bytes"], first["gradients_bytes"], first["optimizer_bytes"]) == (2 * params, 4 * params, 12 * params)
+    assert first["activations_bytes"] == activations == 10_544_611_328
+    assert first["communicator_bytes"] == 2 * 400 * MIB  # tp and pp communicators
+    assert first["total_bytes"] == 18 * params + activations + 800 * MIB == 62_192_644_096
+    last = report["memory"]["stages"][7]
+    assert last["microbatches_in_flight"] == 1
+    # Korthikanti 4.3: the output layer adds 4sbh/t * (1 + v/h).
+    assert last["activations_bytes"] == 12 * layer + scores + 4 * SBH // 8 * (1 + Fraction(V, H))
+    assert report["memory"]["peak_bytes"] == first["total_bytes"]
+    assert report["memory"]["fits"] is True  # 57.9 GiB of 64
+
+
+def test_distributed_optimizer_is_6_plus_12_over_dp_cp():
+    model = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=512, vocab_size=1024)
+    plain = stage_rows(model, TrainingSpec(), 1, 2, 1, 4)[0]
+    sharded = stage_rows(model, TrainingSpec(distributed_optimizer=True), 1, 2, 1, 4)[0]
+    p = plain["parameters"]
+    assert plain["weights_bytes"] + plain["gradients_bytes"] + plain["optimizer_bytes"] == 18 * p
+    assert sharded["weights_bytes"] + sharded["gradients_bytes"] + sharded["optimizer_bytes"] == 6 * p + 12 * p // 8
+
+
+def test_full_recompute_stores_layer_inputs_and_rebuilds_one_layer():
+    training = TrainingSpec(recompute="full", global_batch_size=64)
+    rows = stage_rows(GPT3, training, 8, 1, 8, 1)
+    everything = int(korthikanti(8, True, "none"))
+    assert rows[3]["activations_bytes"] == 12 * (2 * SBH // 8) * 5 + everything  # stage 3: 8 - 3 in flight
+
+
+# ------------------------------------------------------------------ communication
+def test_send_factors_are_nccl_tests_bus_factors():
+    assert send_factor("all_reduce", 8) == 2 * 7 / 8
+    assert send_factor("all_gather", 8) == send_factor("reduce_scatter", 8) == send_factor("all_to_all", 8) == 7 / 8
+    assert send_factor("send_recv", 2) == 1 and send_factor("all_reduce", 1) == 0
+
+
+def test_gpt3_traffic_tp8_pp8_by_hand():
+    training = TrainingSpec(global_batch_size=1536, recompute="selective")
+    rows = {(r["group"], r["op"]): r for r in traffic(GPT3, training, tp=8, cp=1, pp=8, dp=1)}
+    passes = 12 * 1536  # layers per stage x micro-batches
+    message = SBH * 2
+    assert rows["tp", "all_gather"]["count"] == 6 * passes
+    assert rows["tp", "all_gather"]["bytes"] == 6 * passes * message * 7 // 8
+    assert rows["tp", "reduce_scatter"]["bytes"] == 4 * passes * message * 7 // 8
+    assert rows["pp", "send_recv"]["count"] == 2 * 1536
+    assert rows["pp", "send_recv"]["bytes"] == 2 * 1536 * message // 8
+    assert ("dp-cp", "all_reduce") not in rows  # dp = cp = 1
+    layout = Layout(world_size=64, tp=8, pp=8, devices_per_node=8)
+    comm = estimate(layout, Workload(model=GPT3, training=training))["communication"]
+    by_group = {r["group"]: r for r in comm["per_step"]}
+    assert by_group["tp"]["crosses_nodes"] is False and by_group["pp"]["crosses_nodes"] is True
+    assert by_group["pp"]["est_time_s"] == pytest.approx(2 * 1536 * message / 8 / 25e9)
+    assert comm["bottleneck"] == "tp"
+
+
+def test_traffic_without_sp_cp_and_distributed_optimizer():
+    m = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                  seq_length=32, vocab_size=128)
+    training = TrainingSpec(sequence_parallel=False, distributed_optimizer=True, global_batch_size=4)
+    rows = {(r["group"], r["op"]): r for r in traffic(m, training, tp=2, cp=2, pp=1, dp=2)}
+    passes = 2 * 2  # 2 layers x m = 4 / (1 * 2)
+    act = 16 * 64 * 2  # s/cp * b * h * 2 bytes
+    assert rows["tp", "all_reduce"]["bytes"] == 4 * passes * act * 2 * 1 // 2
+    # q, out: h/tp = 32 channels; k, v: g*d/tp = 16; forward and backward; (cp-1)/cp = 1/2.
+    assert rows["cp", "all_to_all"]["count"] == 8 * passes
+    assert rows["cp", "all_to_all"]["bytes"] == 2 * passes * 16 * (32 + 32 + 16 + 16) * 2 // 2
+    params = sum(stage_parameters(m, 2, 1, 0))
+    assert rows["dp-cp", "reduce_scatter"]["bytes"] == params * 4 * 3 // 4
+    assert rows["dp-cp", "all_gather"]["bytes"] == params * 2 * 3 // 4
+
+
+# ------------------------------------------------------------------ constraints and values
+@pytest.mark.parametrize(
+    "model,training,sizes,name,fix",
+    [
+        (dict(num_attention_heads=6, hidden_size=48), {}, (4, 1, 1, 1), "num_attention_heads % tp", "tp that divides 6"),
+        (dict(num_attention_heads=8, num_query_groups=2), {}, (4, 1, 1, 1), "num_query_groups % tp", "tp that divides 2"),
+        (dict(num_attention_heads=8), {}, (2, 8, 1, 1), "(num_attention_heads / tp) % cp", "cp that divides 4"),
+        (dict(num_attention_heads=8, num_query_groups=4), {}, (2, 4, 1, 1), "(num_query_groups / tp) % cp", "cp that divides 2"),
+        (dict(num_layers=3), {}, (1, 1, 2, 1), "num_layers % pp", "pp that divides 3"),
+        (dict(seq_length=6), {}, (4, 1, 1, 1), "seq_length % (tp*cp)", "sequence_parallel: false"),
+        (dict(seq_length=6), dict(sequence_parallel=False), (1, 4, 1, 1), "seq_length % cp", "cp that divides 6"),
+        (dict(ffn_hidden_size=6), {}, (4, 1, 1, 1), "ffn_hidden_size % tp", "tp that divides 6"),
+        (dict(vocab_size=10), {}, (4, 1, 1, 1), "vocab_size % tp", "Pad vocab_size"),
+        ({}, dict(global_batch_size=3), (1, 1, 1, 2), "global_batch_size % (micro_batch_size*dp)", "multiple of 2"),
+    ],
+)
+def test_each_constraint_names_itself_and_the_fix(model, training, sizes, name, fix):
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, seq_length=1024, vocab_size=512, ffn_hidden_size=256)
+    spec, train = ModelSpec(**{**base, **model}), TrainingSpec(**training)
+    found = violations(spec, train, *sizes)
+    assert [n for n, _ in found] == [name]
+    assert name in found[0][1] and fix in found[0][1]
+    tp, cp, pp, dp = sizes
+    with pytest.raises(ModelConstraintError, match="fails") as err:
+        check(spec, train, Layout(world_size=tp * cp * pp * dp, tp=tp, cp=cp, pp=pp))
+    assert err.value.constraint == name and isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(num_layers=0), "num_layers=0 is invalid"),
+        (dict(hidden_size=True), "hidden_size=True is invalid"),
+        (dict(hidden_size=100), "hidden_size=100 is not divisible by num_attention_heads=8"),
+        (dict(num_query_groups=3), "num_query_groups=3 does not divide num_attention_heads=8"),
+        (dict(num_query_groups=16), "num_query_groups=16 does not divide"),
+        (dict(vocab_size=-1), "vocab_size=-1 is invalid"),
+    ],
+)
+def test_model_values_are_validated(kwargs, fragment):
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, seq_length=128, vocab_size=512)
+    with pytest.raises(ModelError, match=fragment.replace("(", r"\(")):
+        ModelSpec(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,fragment",
+    [
+        (TrainingSpec, dict(precision="fp8"), "precision='fp8' is invalid: expected one of bf16, fp16, fp32"),
+        (TrainingSpec, dict(recompute="some"), "recompute='some' is invalid"),
+        (TrainingSpec, dict(micro_batch_size=0), "micro_batch_size=0"),
+        (TrainingSpec, dict(sequence_parallel=1), "sequence_parallel=1 is invalid: expected true or false"),
+        (ClusterSpec, dict(device_memory_gb=0), "device_memory_gb=0 is invalid"),
+        (ClusterSpec, dict(inter_node_gbps=-1), "inter_node_gbps=-1"),
+    ],
+)
+def test_training_and_cluster_values_are_validated(cls, kwargs, fragment):
+    with pytest.raises(ModelError, match=fragment):
+        cls(**kwargs)
+
+
+def test_estimate_without_model_says_how_to_add_one():
+    with pytest.raises(ModelError, match="--model"):
+        estimate(Layout(world_size=2), Workload())
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    from mindscience.distributed import costmodel
+    from mindscience.distributed.costmodel import comm, constraints, memory, report, search, spec
+    from mindscience.distributed.topology import layout
+
+    for module in (costmodel, comm, constraints, memory, report, search, spec, layout):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
