@@ -14,7 +14,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import mint, ops
 
-from mindscience.distributed import collectives, manager
+from mindscience.distributed import collectives, manager, mappings
 from mindscience.distributed.group import ParallelGroup
 
 ATOL = 1e-4
@@ -129,12 +129,12 @@ class DenseAttention(ms.nn.Cell):
 
 
 # ----------------------------------------------------------------------------- comparing
-def forward_backward(net, x, cotangent):
-    """Output, input gradient and parameter gradients of ``sum(net(x) * cotangent)``."""
+def forward_backward(net, x, cotangent, **call_kwargs):
+    """Output, input gradient and parameter gradients of ``sum(net(x, **call_kwargs) * cotangent)``."""
     params = net.trainable_params()
 
     def loss_fn(inp):
-        out = net(inp)
+        out = net(inp, **call_kwargs)
         return (out * cotangent).sum(), out
 
     grad_fn = ms.value_and_grad(loss_fn, grad_position=0, weights=params, has_aux=True)
@@ -150,10 +150,23 @@ def max_abs(a, b) -> float:
     return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
 
 
-def rows(t, group):
-    """This rank's chunk of dim 0 (the sequence) of a full tensor."""
-    n = t.shape[0] // group.size
-    return t[group.rank * n:(group.rank + 1) * n]
+def rows(t, group, split_sizes=None):
+    """This rank's chunk of dim 0 (the sequence) of a full tensor: the even chunk, or
+    with ``split_sizes`` (rows per group rank) its ``split_sizes[rank]`` rows."""
+    if split_sizes is None:
+        n = t.shape[0] // group.size
+        return t[group.rank * n:(group.rank + 1) * n]
+    start = mappings.split_offsets(split_sizes)[group.rank]
+    return t[start:start + split_sizes[group.rank]]
+
+
+def sequence_split(seq_len: int, group):
+    """None when the group divides ``seq_len`` (the even split), else the balanced
+    uneven split ``mappings.even_split_sizes(seq_len, G)``, e.g. 1003 over 4 ranks:
+    ``[251, 251, 251, 250]``."""
+    if seq_len % group.size == 0:
+        return None
+    return mappings.even_split_sizes(seq_len, group.size)
 
 
 def cols(t, group):
@@ -205,9 +218,13 @@ def compare_cp_attention(name: str, model_cls, seq_len: int = 8, batch: int = 2,
     """A context-parallel attention against the dense one, forward and backward, on this rank.
 
     Each rank feeds its rows of the sequence; the replicated weights' gradients are summed
-    over cp (each rank holds its chunk's share) before the comparison.
+    over cp (each rank holds its chunk's share) before the comparison. When cp does not
+    divide ``seq_len`` (e.g. 1,003 over cp = 4) the sequence is sharded unevenly
+    (:func:`sequence_split`: ``[251, 251, 251, 250]``) and the model is called as
+    ``model(x, split_sizes=sizes)``; the record then carries ``seq_len`` and ``split_sizes``.
     """
     cp = cp_group()
+    sizes = sequence_split(seq_len, cp)
     rng = np.random.default_rng(seed)
     x = ms.Tensor(rng.standard_normal((seq_len, batch, d_model)), ms.float32)
     cot = ms.Tensor(rng.standard_normal((seq_len, batch, d_model)), ms.float32)
@@ -218,21 +235,39 @@ def compare_cp_attention(name: str, model_cls, seq_len: int = 8, batch: int = 2,
     par = model_cls(d_model, num_heads, causal)
 
     d_out, d_dx, d_g = forward_backward(dense, x, cot)
-    p_out, p_dx, p_g = forward_backward(par, rows(x, cp), rows(cot, cp))
+    if sizes is None:
+        p_out, p_dx, p_g = forward_backward(par, rows(x, cp), rows(cot, cp))
+        extra = {}
+    else:
+        p_out, p_dx, p_g = forward_backward(par, rows(x, cp, sizes), rows(cot, cp, sizes),
+                                            split_sizes=sizes)
+        extra = {"seq_len": seq_len, "split_sizes": sizes}
     p_g = all_reduce_grads(p_g, cp)
-    errors = {"output": max_abs(p_out, rows(d_out, cp)), "grad x": max_abs(p_dx, rows(d_dx, cp))}
+    errors = {"output": max_abs(p_out, rows(d_out, cp, sizes)),
+              "grad x": max_abs(p_dx, rows(d_dx, cp, sizes))}
     errors.update({f"grad {n}": max_abs(p_g[n], d_g[n]) for n in sorted(d_g)})
-    return result(name, errors, atol, cp=cp.size)
+    return result(name, errors, atol, cp=cp.size, **extra)
 
 
 def cp_main(run, description: str, argv=None) -> int:
-    """Command line of the context-parallel examples: ``--cp N`` (default: all ranks)."""
+    """Command line of the context-parallel examples: ``--cp N`` (default: all ranks),
+    ``--seq-len S`` (default: the example's; one that cp does not divide, e.g. 1003 on
+    4 ranks, shards the sequence unevenly) and ``--batch B``."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--cp", type=int, default=None, help="context-parallel size (default: all ranks)")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="S",
+                        help="sequence length (default 8); when cp does not divide it (e.g. 1003 "
+                             "over cp=4) the sequence is sharded unevenly with "
+                             "mappings.even_split_sizes(S, cp)")
+    parser.add_argument("--batch", type=int, default=None, metavar="B", help="batch size (default 2)")
     args = parser.parse_args(argv)
+    for flag, value in (("--seq-len", args.seq_len), ("--batch", args.batch), ("--cp", args.cp)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value} is invalid: expected an integer >= 1")
     from mindspore.communication import get_group_size
 
     setup(context_parallel_size=args.cp or get_group_size())
-    return report(run())
+    kwargs = {k: v for k, v in (("seq_len", args.seq_len), ("batch", args.batch)) if v is not None}
+    return report(run(**kwargs))

@@ -13,6 +13,15 @@ all-gathers the keys and values of the whole sequence:
          (causal mask uses global positions: query i is at r*S/cp + i)
       -> output projection (replicated weights)          (S/cp, B, D)
 
+Uneven sequences: when cp does not divide S (``run(seq_len=1003)`` or ``--seq-len 1003``
+on 4 ranks) rank r holds ``split_sizes[r]`` rows, ``split_sizes =
+mappings.even_split_sizes(S, cp)`` (``[251, 251, 251, 250]``); the gathers take
+``split_sizes=`` and the causal mask uses the uneven offsets,
+``mappings.split_offsets(split_sizes)[r]`` (``[0, 251, 502, 753]``):
+
+    msrun --worker_num=4 --local_worker_num=4 --master_port=8118 --log_dir=logs/attn_agkv_uneven \
+          --join=True examples/attention_cp_allgather.py --seq-len 1003
+
 Backward, ``gather_from_sequence`` reduce-scatters the k/v gradients: every rank's
 queries touch every key, so the key gradients are partial sums over the ranks. Simple
 and exact, but every rank holds the full k and v (memory O(S)); ring attention avoids
@@ -39,17 +48,24 @@ class AllGatherKVAttention(nn.Cell):
         self.qkv = mint.nn.Linear(d_model, 3 * d_model)
         self.proj = mint.nn.Linear(d_model, d_model)
 
-    def construct(self, x):
+    def construct(self, x, split_sizes=None):
+        # split_sizes: rows of each cp rank for an uneven sequence (None: S/cp each)
         q, k, v = C.split_qkv(self.qkv(x), self.head_dim)   # each (S/cp, B, h, hd)
-        k = mappings.gather_from_sequence(k, self.cp)        # (S, B, h, hd)
-        v = mappings.gather_from_sequence(v, self.cp)
-        offset = self.cp.rank * x.shape[0]                   # global position of my row 0
+        k = mappings.gather_from_sequence(k, self.cp, split_sizes=split_sizes)  # (S, B, h, hd)
+        v = mappings.gather_from_sequence(v, self.cp, split_sizes=split_sizes)
+        if split_sizes is None:
+            offset = self.cp.rank * x.shape[0]               # global position of my row 0
+        else:
+            offset = mappings.split_offsets(split_sizes)[self.cp.rank]
         return self.proj(C.softmax_attention(q, k, v, self.causal, q_offset=offset))
 
 
 def run(seq_len: int = 8, batch: int = 2, d_model: int = 16, num_heads: int = 4,
         causal: bool = True, seed: int = 0, atol: float = C.ATOL) -> dict:
-    """Compare with the dense model on this rank; the parallel groups must exist."""
+    """Compare with the dense model on this rank; the parallel groups must exist.
+
+    A ``seq_len`` that cp does not divide (e.g. 1003 over cp = 4) runs the uneven path
+    (``split_sizes = mappings.even_split_sizes(seq_len, cp)``)."""
     return C.compare_cp_attention("examples.attention_cp_allgather", AllGatherKVAttention, seq_len, batch, d_model, num_heads, causal, seed, atol)
 
 

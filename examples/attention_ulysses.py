@@ -14,6 +14,15 @@ sequence for ``num_heads / cp`` heads:
       -> all_to_all_from_hidden_to_sequence                     (S/cp, B, D)
       -> output projection (replicated weights)                 (S/cp, B, D)
 
+Uneven sequences: when cp does not divide S (``run(seq_len=1003)`` or ``--seq-len 1003``
+on 4 ranks) rank r holds ``split_sizes[r]`` rows, ``split_sizes =
+mappings.even_split_sizes(S, cp)`` (``[251, 251, 251, 250]``), and both all-to-alls take
+``split_sizes=``; the attention itself sees the whole sequence, so the causal mask needs
+no offset:
+
+    msrun --worker_num=4 --local_worker_num=4 --master_port=8118 --log_dir=logs/attn_uly_uneven \
+          --join=True examples/attention_ulysses.py --seq-len 1003
+
 Shape convention (see ``mindscience.distributed.mappings``): "hidden" is the last dim
 and "sequence" the first; ``all_to_all_from_sequence_to_hidden`` takes a hidden-complete
 sequence chunk ``(S/G, ..., H)`` to a sequence-complete hidden chunk ``(S, ..., H/G)``,
@@ -46,18 +55,24 @@ class UlyssesAttention(nn.Cell):
         self.qkv = mint.nn.Linear(d_model, 3 * d_model)
         self.proj = mint.nn.Linear(d_model, d_model)
 
-    def construct(self, x):
+    def construct(self, x, split_sizes=None):
+        # split_sizes: rows of each cp rank for an uneven sequence (None: S/cp each)
         qkv = self.qkv(x)                                                # (S/cp, B, 3D)
-        qkv = mappings.all_to_all_from_sequence_to_hidden(qkv, self.cp)  # (S, B, 3D/cp)
+        qkv = mappings.all_to_all_from_sequence_to_hidden(
+            qkv, self.cp, split_sizes=split_sizes)                       # (S, B, 3D/cp)
         q, k, v = C.split_qkv(qkv, self.head_dim)
         out = C.softmax_attention(q, k, v, self.causal)                  # (S, B, D/cp)
-        out = mappings.all_to_all_from_hidden_to_sequence(out, self.cp)  # (S/cp, B, D)
+        out = mappings.all_to_all_from_hidden_to_sequence(
+            out, self.cp, split_sizes=split_sizes)                       # (S/cp, B, D)
         return self.proj(out)
 
 
 def run(seq_len: int = 8, batch: int = 2, d_model: int = 16, num_heads: int = 4,
         causal: bool = True, seed: int = 0, atol: float = C.ATOL) -> dict:
-    """Compare with the dense model on this rank; the parallel groups must exist."""
+    """Compare with the dense model on this rank; the parallel groups must exist.
+
+    A ``seq_len`` that cp does not divide (e.g. 1003 over cp = 4) runs the uneven path
+    (``split_sizes = mappings.even_split_sizes(seq_len, cp)``)."""
     return C.compare_cp_attention("examples.attention_ulysses", UlyssesAttention, seq_len, batch, d_model, num_heads, causal, seed, atol)
 
 

@@ -1,9 +1,9 @@
 """The ONE msrun job shared by test_layers.py and test_examples.py.
 
 A launch costs ~20-25 s on a 2-core machine before any check runs, so the layer checks
-and the examples run as one battery of named harness checks on 4 ranks, under two
-layouts: tp=4 (the world group) and tp=2 x cp=2 (subgroups). The result is cached for
-the whole pytest session.
+and the examples run as one battery of named harness checks on 4 ranks, under three
+layouts: tp=4 (the world group), tp=2 x cp=2 (subgroups) and cp=4 (the uneven-sequence
+attention examples). The result is cached for the whole pytest session.
 """
 
 from __future__ import annotations
@@ -11,10 +11,21 @@ from __future__ import annotations
 import functools
 
 WORLD_SIZE = 4
-TIMEOUT_S = 240
+# 240 s before the uneven cases; they added ~12 s (+15%) to a ~76 s run (measured without
+# the compiled-modes step), so the limit grew in proportion.
+TIMEOUT_S = 275
 
 _TP4 = {"tp": 4}
 _TP2_CP2 = {"tp": 2, "cp": 2}
+_CP4 = {"tp": 1, "cp": 4}
+_SP = {"sequence_parallel": True}
+# Uneven sequences under sequence parallelism on tp=4: a zero-length shard (rank 1 holds
+# no rows) and "auto", the ragged S = tp + 1 split [2, 1, 1, 1].
+UNEVEN_SPLIT = [3, 0, 2, 1]
+AUTO_SPLIT = [2, 1, 1, 1]
+# The uneven attention examples: S = 1,003 over cp = 4 -> [251, 251, 251, 250].
+UNEVEN_SEQ_LEN = 1003
+UNEVEN_ATTENTION = {**_CP4, "seq_len": UNEVEN_SEQ_LEN, "batch": 1}
 SPEC = {
     "checks": [
         {"name": "layers.init_exact", "params": _TP4},
@@ -22,8 +33,19 @@ SPEC = {
         {"name": "layers.matrix", "params": _TP4},
         {"name": "layers.column", "params": {**_TP4, "sequence_parallel": True, "compute_dtype": "bfloat16"}},
         {"name": "layers.row", "params": {**_TP4, "sequence_parallel": True, "compute_dtype": "bfloat16"}},
+        # uneven sequences (layer(x, split_sizes=...)): 2 fp32 splits + 1 bf16 per layer
+        {"name": "layers.column", "params": {**_TP4, **_SP, "split_sizes": UNEVEN_SPLIT}},
+        {"name": "layers.row", "params": {**_TP4, **_SP, "input_is_parallel": True,
+                                          "split_sizes": UNEVEN_SPLIT}},
+        {"name": "layers.column", "params": {**_TP4, **_SP, "gather_output": False, "split_sizes": "auto"}},
+        {"name": "layers.row", "params": {**_TP4, **_SP, "split_sizes": "auto"}},
+        {"name": "layers.column", "params": {**_TP4, **_SP, "gather_output": False,
+                                             "split_sizes": UNEVEN_SPLIT, "compute_dtype": "bfloat16"}},
+        {"name": "layers.row", "params": {**_TP4, **_SP, "input_is_parallel": True,
+                                          "split_sizes": UNEVEN_SPLIT, "compute_dtype": "bfloat16"}},
         # compiled: ms.jit of the grad function, construct = ms.jit(construct), GRAPH_MODE
-        {"name": "layers.modes", "params": _TP2_CP2},
+        {"name": "layers.modes", "params": {**_TP2_CP2, "modes": ["jit"], "configs": "all"}},
+        {"name": "layers.modes", "params": {**_TP2_CP2, "modes": ["jit-construct", "graph"]}},
         {"name": "layers.init_exact", "params": _TP2_CP2},
         {"name": "layers.errors", "params": _TP2_CP2},
         {"name": "layers.matrix", "params": {**_TP2_CP2, "skip_bias_add": False}},
@@ -32,6 +54,9 @@ SPEC = {
         {"name": "examples.attention_tp", "params": _TP2_CP2},
         {"name": "examples.attention_ulysses", "params": _TP2_CP2},
         {"name": "examples.attention_cp_allgather", "params": _TP2_CP2},
+        # uneven sequence: S = 1,003 over cp = 4 (split_sizes [251, 251, 251, 250])
+        {"name": "examples.attention_ulysses", "params": UNEVEN_ATTENTION},
+        {"name": "examples.attention_cp_allgather", "params": UNEVEN_ATTENTION},
     ]
 }
 

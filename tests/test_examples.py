@@ -9,11 +9,13 @@ import subprocess
 import sys
 import uuid
 
+import numpy as np
 import pytest
 
 import _layers_job
+from mindscience.distributed.group import ParallelGroup
 from mindscience.distributed.harness import find_free_port, find_msrun, stop_job
-from mindscience.distributed.harness.checks.layers import examples_dir
+from mindscience.distributed.harness.checks.examples import examples_dir
 
 EXAMPLES = ("tp_mlp", "attention_tp", "attention_ulysses", "attention_cp_allgather")
 
@@ -39,6 +41,30 @@ def test_sequence_parallel_mlp_in_a_plain_process():
     assert record["parallel_losses"] == record["dense_losses"]
 
 
+@pytest.mark.parametrize("name", ["attention_ulysses", "attention_cp_allgather"])
+def test_cp_example_command_line_takes_seq_len(name, capsys):
+    assert _load(name).main(["--seq-len", "13", "--batch", "1"]) == 0
+    assert "PASSED on all ranks" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        _load(name).main(["--seq-len", "0"])
+    assert info.value.code == 2
+    assert "--seq-len 0 is invalid" in capsys.readouterr().err
+
+
+def test_uneven_sequence_shards_partition_the_sequence():
+    common = _load("_common")
+    seq = np.arange(1003)
+    shards = []
+    for rank in range(4):
+        group = ParallelGroup(key="cp", ranks=(0, 1, 2, 3), rank=rank, backend_name="unused")
+        sizes = common.sequence_split(1003, group)
+        assert sizes == [251, 251, 251, 250]
+        shards.append(common.rows(seq, group, sizes))
+        assert common.sequence_split(1004, group) is None  # divisible: the even path
+    assert [len(s) for s in shards] == [251, 251, 251, 250]
+    np.testing.assert_array_equal(np.concatenate(shards), seq)
+
+
 def test_report_exit_code_on_mismatch(capsys):
     common = _load("_common")
     record = common.result("examples.fake", {"output": 1.0, "grad x": 0.0})
@@ -57,14 +83,35 @@ def job():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name,runs", [("tp_mlp", 2), ("attention_tp", 1), ("attention_ulysses", 1),
-                                       ("attention_cp_allgather", 1)])
+@pytest.mark.parametrize("name,runs", [("tp_mlp", 2), ("attention_tp", 1), ("attention_ulysses", 2),
+                                       ("attention_cp_allgather", 2)])
 def test_example_on_4_ranks_matches_dense(job, name, runs):
     records = _layers_job.records_of(job, f"examples.{name}")
     assert len(records) == runs * _layers_job.WORLD_SIZE
     failed = [r for r in records if not r["passed"]]
     assert not failed, failed
     assert max(r["max_error"] for r in records) <= 1e-4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["attention_ulysses", "attention_cp_allgather"])
+def test_attention_on_an_uneven_sequence_matches_dense(job, name):
+    """S = 1,003 over cp = 4: shards [251, 251, 251, 250] (split_sizes= to the mappings;
+    the all-gather-KV causal mask at the uneven offsets), forward and backward equal to
+    dense attention on every rank."""
+    records = [r for r in _layers_job.records_of(job, f"examples.{name}") if r.get("split_sizes")]
+    assert sorted(r["rank"] for r in records) == list(range(_layers_job.WORLD_SIZE))
+    for r in records:
+        assert r["passed"], r
+        assert r["cp"] == 4 and r["seq_len"] == _layers_job.UNEVEN_SEQ_LEN == 1003
+        assert r["split_sizes"] == [251, 251, 251, 250]
+        assert "seq_len=1003" in r["case"]
+        assert {"output", "grad x", "grad qkv.weight", "grad qkv.bias", "grad proj.weight",
+                "grad proj.bias"} <= set(r["errors"])
+        assert max(r["errors"].values()) == r["max_error"] <= 1e-4
+    # the even runs (tp=2 x cp=2, S = 8) carry no split
+    even = [r for r in _layers_job.records_of(job, f"examples.{name}") if not r.get("split_sizes")]
+    assert len(even) == _layers_job.WORLD_SIZE and all(r["cp"] == 2 for r in even)
 
 
 @pytest.mark.multiprocess

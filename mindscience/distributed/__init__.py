@@ -9,7 +9,8 @@ MindSpore in: ``msdist plan`` starts in a fraction of a second.
 
 import importlib
 
-_SUBMODULES = ("topology", "group", "manager", "collectives", "mappings", "modules", "harness")
+_SUBMODULES = ("topology", "group", "manager", "collectives", "mappings", "modules", "finalize",
+               "harness")
 
 # Names re-exported at the package level (upstream exports initialize_parallel here),
 # each loaded from its module on first access.
@@ -20,6 +21,8 @@ _EXPORTS = {
     "ColumnParallelLinear": "modules",
     "RowParallelLinear": "modules",
     "initialize_affine_weight": "modules",
+    "GradientFinalizer": "finalize",
+    "finalize_gradients": "finalize",
 }
 
 __all__ = list(_SUBMODULES) + list(_EXPORTS)

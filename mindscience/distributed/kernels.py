@@ -42,71 +42,75 @@ from mindspore.mint import distributed as md
 
 from . import counters
 
-__all__ = ["EagerComposed", "GraphComposed", "Native", "is_even", "offsets"]
+__all__ = ["EagerComposed", "GraphComposed", "Native"]
 
 
-def offsets(sizes) -> tuple:
-    """Start of each shard: ``(3, 2, 2) -> (0, 3, 5)``."""
-    out = []
-    total = 0
-    for s in sizes:
-        out.append(total)
-        total += s
-    return tuple(out)
-
-
-_STRIDED_SLICE = ops.StridedSlice()
-
-
-def narrow(x, dim, start, length):
-    """``length`` entries of ``x`` from ``start`` along ``dim`` (a non-negative dim).
-
-    A StridedSlice primitive rather than ``ops.narrow``, whose argument validators do
-    not compile inside nested cells in GRAPH_MODE (measured).
-    """
-    begin = []
-    end = []
-    strides = []
-    for i in range(len(x.shape)):
-        if i == dim:
-            begin.append(start)
-            end.append(start + length)
-        else:
-            begin.append(0)
-            end.append(x.shape[i])
-        strides.append(1)
-    return _STRIDED_SLICE(x, tuple(begin), tuple(end), tuple(strides))
-
-
-def largest(sizes) -> int:
-    """The largest shard (compiled code has no ``max`` over a tuple)."""
-    m = sizes[0]
-    for s in sizes:
-        if s > m:
-            m = s
-    return m
-
-
-def is_even(sizes) -> bool:
-    """True when every shard has the same size (the even collectives apply)."""
-    for s in sizes:
-        if s != sizes[0]:
-            return False
-    return True
+# Plain Python helpers of the methods below live ON the kernel cell, not at module
+# level: a module function called from both a construct and a bprop made the PyNative
+# gradient of an ms.jit-compiled construct fail ("func_graph->get_return() is null",
+# measured with narrow() shared by gather_from_hidden's forward and backward).
 
 
 class _Kernels(nn.Cell):
     """Even collectives from two primitives (``_ar``, ``_gather_parts``); uneven on top."""
+
+    # True where reduce_scatter is composed as all-reduce + own slice (a class constant,
+    # so compiled code folds the branch on it).
+    reduce_scatter_is_all_reduce = True
 
     def __init__(self, group_name: str, size: int, rank: int):
         super().__init__()
         self.group_name = group_name
         self.size = size
         self.rank = rank
+        self.strided_slice = ops.StridedSlice()
 
     # ---------------------------------------------------------------- helpers
+    def offsets(self, sizes) -> tuple:
+        """Start of each shard: ``(3, 2, 2) -> (0, 3, 5)``."""
+        out = []
+        total = 0
+        for s in sizes:
+            out.append(total)
+            total += s
+        return tuple(out)
+
+    def largest(self, sizes) -> int:
+        """The largest shard (compiled code has no ``max`` over a tuple)."""
+        m = sizes[0]
+        for s in sizes:
+            if s > m:
+                m = s
+        return m
+
+    def is_even(self, sizes) -> bool:
+        """True when every shard has the same size (the even collectives apply)."""
+        for s in sizes:
+            if s != sizes[0]:
+                return False
+        return True
+
+    def _slice(self, x, dim, start, length):
+        """``length`` entries of ``x`` from ``start`` along ``dim`` (a non-negative dim).
+
+        A StridedSlice primitive rather than ``ops.narrow``, whose argument validators
+        do not compile inside nested cells in GRAPH_MODE (measured).
+        """
+        begin = []
+        end = []
+        strides = []
+        for i in range(len(x.shape)):
+            if i == dim:
+                begin.append(start)
+                end.append(start + length)
+            else:
+                begin.append(0)
+                end.append(x.shape[i])
+            strides.append(1)
+        return self.strided_slice(x, tuple(begin), tuple(end), tuple(strides))
+
     def _narrow(self, x, dim, start, length):
-        return narrow(x, dim, start, length)
+        return self._slice(x, dim, start, length)
 
     def _chunk(self, x, dim, index, parts):
         dim = dim % len(x.shape)
@@ -119,8 +123,11 @@ class _Kernels(nn.Cell):
             return x
         if length == 0:
             # An empty shard: a zero-row tensor, not a zero-length slice (whose CPU graph
-            # kernel gave wrong neighbouring values in bfloat16, measured).
-            return ops.zeros((0,) + tuple(x.shape[1:]), x.dtype)
+            # kernel gave wrong neighbouring values in bfloat16, measured). It must still
+            # depend on x: when x comes out of a collective, a compiled graph would
+            # otherwise drop that collective on this rank only, and the other ranks would
+            # wait for it forever (measured: ring all-reduce timeout in jit, [3, 0, 2, 1]).
+            return ops.depend(ops.zeros((0,) + tuple(x.shape[1:]), x.dtype), x)
         return self._narrow(x, 0, start, length)
 
     def _pad_rows(self, x, rows):
@@ -160,15 +167,15 @@ class _Kernels(nn.Cell):
     # when all shards are equal (a branch on constants: folded when compiled).
     def own_rows(self, x, sizes):
         """This rank's ``sizes[rank]`` rows of dim 0 (no communication)."""
-        if is_even(sizes):
+        if self.is_even(sizes):
             return self.own_slice(x, 0)
-        return self._rows(x, offsets(sizes)[self.rank], sizes[self.rank])
+        return self._rows(x, self.offsets(sizes)[self.rank], sizes[self.rank])
 
     def all_gather_v(self, x, sizes):
         """``(sizes[r], ...)`` on rank r -> ``(sum(sizes), ...)`` on every rank."""
-        if is_even(sizes):
+        if self.is_even(sizes):
             return self.all_gather(x, 0)
-        m = largest(sizes)
+        m = self.largest(sizes)
         parts = self._gather_parts(self._pad_rows(x, m))
         kept = []
         for i in range(self.size):
@@ -178,16 +185,20 @@ class _Kernels(nn.Cell):
 
     def reduce_scatter_v(self, x, sizes):
         """``(sum(sizes), ...)`` partial sums -> rows of this rank's shard of the sum."""
-        if is_even(sizes):
+        if self.is_even(sizes):
             return self.reduce_scatter(x)
-        m = largest(sizes)
+        if self.reduce_scatter_is_all_reduce:
+            # The composed reduce-scatter is an all-reduce + own rows anyway: reduce the
+            # unpadded buffer and keep this rank's rows (no padding copies).
+            return self._rows(self._ar(x), self.offsets(sizes)[self.rank], sizes[self.rank])
+        m = self.largest(sizes)
         return self._rows(self.reduce_scatter(self._pad_chunks(x, sizes, m)), 0, sizes[self.rank])
 
     def sequence_to_hidden_v(self, x, sizes):
         """``(sizes[r], ..., H) -> (sum(sizes), ..., H/G)``."""
-        if is_even(sizes):
+        if self.is_even(sizes):
             return self.all_to_all(x, -1, 0)
-        m = largest(sizes)
+        m = self.largest(sizes)
         y = self.all_to_all(self._pad_rows(x, m), -1, 0)  # (G*m, ..., H/G)
         kept = []
         for i in range(self.size):
@@ -197,15 +208,15 @@ class _Kernels(nn.Cell):
 
     def hidden_to_sequence_v(self, x, sizes):
         """``(sum(sizes), ..., H/G) -> (sizes[r], ..., H)``."""
-        if is_even(sizes):
+        if self.is_even(sizes):
             return self.all_to_all(x, 0, -1)
-        m = largest(sizes)
+        m = self.largest(sizes)
         y = self.all_to_all(self._pad_chunks(x, sizes, m), 0, -1)  # (m, ..., H)
         return self._rows(y, 0, sizes[self.rank])
 
     def _pad_chunks(self, x, sizes, m):
         """Dim 0 cut into shards of ``sizes``, each zero-padded to ``m`` rows: ``(G*m, ...)``."""
-        starts = offsets(sizes)
+        starts = self.offsets(sizes)
         chunks = []
         for i in range(self.size):
             chunks.append(self._pad_rows(self._rows(x, starts[i], sizes[i]), m))
@@ -249,8 +260,8 @@ class GraphComposed(_Kernels):
         # The CPU graph kernels of StridedSlice (and Reshape, Transpose) have no bfloat16;
         # the round trip through float32 is exact.
         if x.dtype == mstype.bfloat16:
-            return ops.cast(narrow(ops.cast(x, mstype.float32), dim, start, length), mstype.bfloat16)
-        return narrow(x, dim, start, length)
+            return ops.cast(self._slice(ops.cast(x, mstype.float32), dim, start, length), mstype.bfloat16)
+        return self._slice(x, dim, start, length)
 
     def _gather_parts(self, x):
         # Every rank writes its x into its own slot of a zero buffer; the sum is the
@@ -276,6 +287,8 @@ class Native(_Kernels):
     padding and slicing code with the composed primitives underneath.
     """
 
+    reduce_scatter_is_all_reduce = False
+
     def __init__(self, group_name: str, size: int, rank: int):
         super().__init__(group_name, size, rank)
         self.allreduce = ops.AllReduce(ops.ReduceOp.SUM, group_name)
@@ -291,7 +304,7 @@ class Native(_Kernels):
         n = x.shape[0]
         parts = []
         for i in range(self.size):
-            parts.append(narrow(full, 0, i * n, n))
+            parts.append(self._slice(full, 0, i * n, n))
         return parts
 
     def all_gather(self, x, dim):

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import numbers
 
-from mindspore import nn
+from mindspore import nn, ops
 
 from . import collectives as C
 from .collectives import GroupLike, compiling
@@ -179,11 +179,29 @@ def _split_sizes(mapping: str, x, g, split_sizes, local: bool) -> tuple:
     return tuple(sizes)
 
 
+def _fresh(grad):
+    """The gradient a bprop returns, as a tensor of its own.
+
+    The backward of a slice of this rank's part (own slice, own rows, the reduce-scatter's
+    chunk) is a view into a larger buffer in PyNative. MindSpore 2.10 mis-reads such a
+    view when it flows into ``mint.split``'s backward (measured: wrong gradients whenever
+    the view has a storage offset or is strided, e.g. ``GatherFromSequence.apply(k, cp)``
+    with ``q, k, v = mint.split(qkv, ...)`` on every cp rank but the first). A
+    contiguous copy is exact in every mode; compiled code has no views.
+    """
+    return grad.contiguous()
+
+
 # ----------------------------------------------------------------- mapping cells
 # One Cell per mapping: its construct is the forward, its bprop the backward, both
 # calling the kernel cell of the group (eager or compiled flavour, fixed when the cell
 # is built). The backward never branches on the execution mode: MindSpore does not
 # fold such a branch inside a bprop.
+# The sequence mappings' backward starts from ops.depend(dout, out): on a rank holding
+# zero rows the incoming gradient does not depend on the forward result, and a compiled
+# graph could then run the backward collective before the forward one on that rank
+# only, pairing different collectives across ranks (measured: a buffer size mismatch in
+# the ring all-reduce under ms.jit with split_sizes [3, 0, 2, 1]).
 class _Mapping(nn.Cell):
     def __init__(self, group, params, compiled):
         super().__init__()
@@ -220,7 +238,7 @@ class _GatherFromHidden(_Mapping):
         return self.k.all_gather(x, -1)
 
     def bprop(self, x, out, dout):
-        return (self.k.own_slice(dout, -1),)
+        return (_fresh(self.k.own_slice(dout, -1)),)
 
 
 class _ScatterToSequence(_Mapping):
@@ -228,7 +246,7 @@ class _ScatterToSequence(_Mapping):
         return self.k.own_rows(x, self.sizes)
 
     def bprop(self, x, out, dout):
-        return (self.k.all_gather_v(dout, self.sizes),)
+        return (self.k.all_gather_v(ops.depend(dout, out), self.sizes),)
 
 
 class _GatherFromSequence(_Mapping):
@@ -236,14 +254,14 @@ class _GatherFromSequence(_Mapping):
         return self.k.all_gather_v(x, self.sizes)
 
     def bprop(self, x, out, dout):
-        return (self.k.reduce_scatter_v(dout, self.sizes),)
+        return (_fresh(self.k.reduce_scatter_v(ops.depend(dout, out), self.sizes)),)
 
 
 class _GatherFromSequenceNoReduce(_GatherFromSequence):
     """``tensor_parallel_output_grad=False``: the gradient is complete on every rank."""
 
     def bprop(self, x, out, dout):
-        return (self.k.own_rows(dout, self.sizes),)
+        return (_fresh(self.k.own_rows(ops.depend(dout, out), self.sizes)),)
 
 
 class _ReduceScatterToSequence(_Mapping):
@@ -251,7 +269,7 @@ class _ReduceScatterToSequence(_Mapping):
         return self.k.reduce_scatter_v(x, self.sizes)
 
     def bprop(self, x, out, dout):
-        return (self.k.all_gather_v(dout, self.sizes),)
+        return (self.k.all_gather_v(ops.depend(dout, out), self.sizes),)
 
 
 class _AllToAllHiddenToSequence(_Mapping):
@@ -259,7 +277,7 @@ class _AllToAllHiddenToSequence(_Mapping):
         return self.k.hidden_to_sequence_v(x, self.sizes)
 
     def bprop(self, x, out, dout):
-        return (self.k.sequence_to_hidden_v(dout, self.sizes),)
+        return (self.k.sequence_to_hidden_v(ops.depend(dout, out), self.sizes),)
 
 
 class _AllToAllSequenceToHidden(_Mapping):
@@ -267,7 +285,7 @@ class _AllToAllSequenceToHidden(_Mapping):
         return self.k.sequence_to_hidden_v(x, self.sizes)
 
     def bprop(self, x, out, dout):
-        return (self.k.hidden_to_sequence_v(dout, self.sizes),)
+        return (_fresh(self.k.hidden_to_sequence_v(ops.depend(dout, out), self.sizes)),)
 
 
 _CELLS: dict = {}

@@ -35,7 +35,9 @@ any collective (at trace time in compiled code).
 
 Uneven sequences: with ``use_sequence_parallel=True`` both layers take
 ``layer(x, split_sizes=[...])`` (the sequence rows of each tp rank, e.g.
-``mappings.even_split_sizes(S, tp)``) and pass it to their sequence mappings.
+``mappings.even_split_sizes(S, tp)``) and pass it to their sequence mappings. A rank
+may hold zero rows (e.g. ``[3, 0, 2, 1]``); its RowParallelLinear bias gradient is then
+zero.
 
 Precision: the output has the input's dtype. Only the matmul (with the bias for
 ColumnParallelLinear, as in a dense layer) runs in ``compute_dtype``; communication runs
@@ -410,7 +412,12 @@ class RowParallelLinear(_ParallelLinear):
                 y = mappings.reduce_from_all(y, self.group)
         if self.skip_bias_add:
             return y, self.bias
-        if self.bias is not None:
+        if self.bias is not None and y.shape[0] > 0:
+            # (A rank holding no rows of an uneven sequence, split_sizes[r] == 0, skips the
+            # add: its output is empty either way, and MindSpore 2.10's gradient of a
+            # broadcast add onto an empty tensor, a CPU ReduceSum over zero rows, returns
+            # uninitialized memory instead of zeros (measured). Without the add the bias
+            # gradient is this rank's share: zero.)
             bias = self.bias if self.bias.dtype == y.dtype else ops.cast(self.bias, y.dtype)
             y = y + bias
         return y

@@ -1,4 +1,4 @@
-"""Checks of the parallel layers against a dense ``mint.nn.Linear``, and of the examples.
+"""Checks of the parallel layers against a dense ``mint.nn.Linear``.
 
 Every rank builds the dense layer and the parallel layer after the same
 ``mindspore.set_seed``, feeds both the same data (the parallel one its share of it) and
@@ -20,9 +20,11 @@ layout, else the sizes already initialized, else ``tp`` = all ranks):
   function, ``construct = ms.jit(construct)``, GRAPH_MODE): equal to the dense layer
   and to the same layer in PyNative (``pynative_diff``).
 * ``layers.dense_equivalence``: the three above in one step (what ``msdist verify`` runs).
-* ``examples.tp_mlp``, ``examples.attention_tp``, ``examples.attention_ulysses``,
-  ``examples.attention_cp_allgather``: the ``run()`` of the scripts in ``examples/``
-  (found next to the package in a source checkout, or in ``$MSDIST_EXAMPLES_DIR``).
+
+``layers.column`` / ``layers.row`` also take ``split_sizes`` (with ``sequence_parallel``):
+an uneven sequence such as ``[3, 0, 2, 1]`` on tp = 4, or ``"auto"`` (S = tp + 1).
+
+The ``examples.*`` checks (the scripts in ``examples/``) live in :mod:`.examples`.
 
 Example spec (4 ranks; ``tp=2`` makes two tp groups of 2)::
 
@@ -31,10 +33,7 @@ Example spec (4 ranks; ``tp=2`` makes two tp groups of 2)::
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import os
-import sys
 
 import numpy as np
 
@@ -44,7 +43,6 @@ DEFAULT_ATOL = 1e-4
 # Tolerances for low-precision compute, on errors scaled by max(1, max |dense value|):
 # a few units of the dtype's rounding error (bfloat16 2**-8, float16 2**-11).
 LOW_PRECISION_TOL = {"float16": 3e-3, "bfloat16": 2e-2}
-EXAMPLES_ENV = "MSDIST_EXAMPLES_DIR"
 
 
 # ----------------------------------------------------------------------------- setup
@@ -109,12 +107,47 @@ def _chunk(a, group, dim):
     return a[tuple(index)]
 
 
+def _seq_chunk(a, group, sizes):
+    """This rank's rows of ``a`` (dim 0): the even chunk, or ``sizes[rank]`` rows at the
+    shard's offset when ``sizes`` (an uneven split) is given."""
+    if sizes is None:
+        return _chunk(a, group, 0)
+    start = sum(sizes[:group.rank])
+    return a[start:start + sizes[group.rank]]
+
+
+def _resolve_split_sizes(split_sizes, group_size, seq_len, sequence_parallel):
+    """``(sizes or None, seq_len)`` for ``compare_with_dense``'s ``split_sizes``.
+
+    ``None``: the even split of ``seq_len``. ``"auto"``: a ragged split of S = G + 1 rows
+    (``[2, 1, ..., 1]``). A list: one size per tp rank (zeros allowed); S is their sum.
+    """
+    if split_sizes is None:
+        return None, seq_len
+    if not sequence_parallel:
+        raise ValueError(
+            f"split_sizes={split_sizes!r} needs sequence_parallel=True: only sequence-"
+            "parallel layers shard the sequence"
+        )
+    if split_sizes == "auto":
+        from mindscience.distributed.mappings import even_split_sizes
+
+        return even_split_sizes(group_size + 1, group_size), group_size + 1
+    if not isinstance(split_sizes, (list, tuple)) or len(split_sizes) != group_size or any(
+            isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in split_sizes):
+        raise ValueError(
+            f"split_sizes={split_sizes!r} is invalid: expected 'auto' or a list of "
+            f"{group_size} integers >= 0 (one per tp rank)"
+        )
+    return [int(s) for s in split_sizes], int(sum(split_sizes))
+
+
 LAYER_MODES = ("pynative", "jit", "jit-construct", "graph")
 
 
-def _make_layer_loss(net, cot, skip_bias_add):
+def _make_layer_loss(net, cot, skip_bias_add, split_sizes=None):
     def loss_fn(inp):
-        out = net(inp)
+        out = net(inp) if split_sizes is None else net(inp, split_sizes=split_sizes)
         if skip_bias_add:  # the caller adds the returned bias, as a fused kernel would
             out, bias = out
             if bias is not None:
@@ -124,8 +157,10 @@ def _make_layer_loss(net, cot, skip_bias_add):
     return loss_fn
 
 
-def _forward_backward(net, x, cot, skip_bias_add, mode="pynative"):
+def _forward_backward(net, x, cot, skip_bias_add, mode="pynative", split_sizes=None):
     """Output, input gradient and {param name: gradient} of ``sum(out * cot)``.
+
+    ``split_sizes`` (an uneven sequence split) is passed to the call: ``net(x, split_sizes=...)``.
 
     ``mode``: ``pynative``; ``jit`` (the value_and_grad function compiled with
     ``ms.jit``); ``jit-construct`` (``net.construct = ms.jit(net.construct)``, eager
@@ -133,14 +168,16 @@ def _forward_backward(net, x, cot, skip_bias_add, mode="pynative"):
     """
     import mindspore as ms
 
-    from .modes import _LossCell
+    from .modes import _COMPILED_KEEP_ALIVE, _LossCell
 
     if mode not in LAYER_MODES:
         raise ValueError(f"mode {mode!r} is invalid: expected one of {', '.join(LAYER_MODES)}")
     params = net.trainable_params()
+    if mode != "pynative":
+        _COMPILED_KEEP_ALIVE.append(net)  # see modes._COMPILED_KEEP_ALIVE
     if mode == "jit-construct":
         net.construct = ms.jit(net.construct)
-    loss_fn = _make_layer_loss(net, cot, skip_bias_add)
+    loss_fn = _make_layer_loss(net, cot, skip_bias_add, split_sizes)
     if mode == "graph":
         ms.set_context(mode=ms.GRAPH_MODE)
         try:
@@ -165,7 +202,7 @@ def _case(**flags) -> str:
 def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input_is_parallel=False,
                        sequence_parallel=False, skip_bias_add=False, seq_len=8, batch=2,
                        in_features=32, out_features=48, seed=0, compute_dtype="float32",
-                       atol=None, mode="pynative", keep_values=False) -> dict:
+                       atol=None, mode="pynative", keep_values=False, split_sizes=None) -> dict:
     """One configuration of ``kind`` ("column" or "row") against ``mint.nn.Linear``.
 
     Returns a record whose ``errors`` hold, per quantity, the max abs difference
@@ -177,6 +214,12 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
     parallel layer's forward and backward in an execution mode (see
     :func:`_forward_backward`); ``keep_values`` adds its numpy results under
     ``"_values"`` (for comparisons between modes; not JSON).
+
+    ``split_sizes`` (with ``sequence_parallel``): an uneven sequence, passed to the layer
+    as ``layer(x, split_sizes=...)``. A list of one size per tp rank (a rank may hold 0
+    rows; S is their sum, ``seq_len`` is ignored) or ``"auto"`` (S = tp + 1, i.e.
+    ``[2, 1, ..., 1]``). Each rank's input (Column) or output (Row) is then its uneven
+    shard of the dense one; the record carries ``split_sizes`` and ``split: "uneven"``.
     """
     import mindspore as ms
     from mindspore import mint
@@ -187,6 +230,7 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
     scaled = str(compute_dtype) != "float32"
     if atol is None:
         atol = LOW_PRECISION_TOL.get(str(compute_dtype), DEFAULT_ATOL) if scaled else DEFAULT_ATOL
+    sizes, seq_len = _resolve_split_sizes(split_sizes, group.size, seq_len, sequence_parallel)
     rng = np.random.default_rng(seed + 1)
     x_full = rng.standard_normal((seq_len, batch, in_features)).astype(np.float32)
     cot_full = rng.standard_normal((seq_len, batch, out_features)).astype(np.float32)
@@ -198,21 +242,24 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
                   compute_dtype=_dtype(compute_dtype), group=group)
     if kind == "column":
         layer = ColumnParallelLinear(in_features, out_features, gather_output=gather_output, **common)
-        x = _chunk(x_full, group, 0) if sequence_parallel else x_full
+        x = _seq_chunk(x_full, group, sizes) if sequence_parallel else x_full
         cot = cot_full if gather_output else _chunk(cot_full, group, -1)
         flags = dict(bias=bias, gather_output=gather_output, sequence_parallel=sequence_parallel)
     elif kind == "row":
         layer = RowParallelLinear(in_features, out_features, input_is_parallel=input_is_parallel, **common)
         x = _chunk(x_full, group, -1) if input_is_parallel else x_full
-        cot = _chunk(cot_full, group, 0) if sequence_parallel else cot_full
+        cot = _seq_chunk(cot_full, group, sizes) if sequence_parallel else cot_full
         flags = dict(bias=bias, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
     else:
         raise ValueError(f"kind={kind!r}: expected 'column' or 'row'")
     if skip_bias_add:
         flags["skip_bias_add"] = True
+    if sizes is not None:
+        flags["split_sizes"] = "[" + ",".join(map(str, sizes)) + "]"
 
     d_out, d_dx, d_g = _forward_backward(dense, ms.Tensor(x_full), ms.Tensor(cot_full), False)
-    p_out, p_dx, p_g = _forward_backward(layer, ms.Tensor(x), ms.Tensor(cot), skip_bias_add, mode)
+    p_out, p_dx, p_g = _forward_backward(layer, ms.Tensor(x), ms.Tensor(cot), skip_bias_add, mode,
+                                         split_sizes=sizes)
 
     weight_dim = 0 if kind == "column" else 1
     errors = {"init weight": _err(layer.weight, _chunk(_np(dense.weight), group, weight_dim))}
@@ -223,9 +270,9 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
 
     if kind == "column":
         want_out = _np(d_out) if gather_output else _chunk(_np(d_out), group, -1)
-        want_dx = _chunk(_np(d_dx), group, 0) if sequence_parallel else _np(d_dx)
+        want_dx = _seq_chunk(_np(d_dx), group, sizes) if sequence_parallel else _np(d_dx)
     else:
-        want_out = _chunk(_np(d_out), group, 0) if sequence_parallel else _np(d_out)
+        want_out = _seq_chunk(_np(d_out), group, sizes) if sequence_parallel else _np(d_out)
         want_dx = _chunk(_np(d_dx), group, -1) if input_is_parallel else _np(d_dx)
     errors["output"] = _err(p_out, want_out, scaled)
     errors["grad input"] = _err(p_dx, want_dx, scaled)
@@ -236,7 +283,7 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
         elif sequence_parallel:
             # Documented behaviour: each rank holds its sequence chunk's share of the
             # bias gradient; the shares sum (over tp) to the dense gradient.
-            share = _chunk(cot_full, group, 0).reshape(-1, out_features).sum(axis=0)
+            share = _seq_chunk(cot_full, group, sizes).reshape(-1, out_features).sum(axis=0)
             errors["grad bias (this rank's share)"] = _err(p_g["bias"], share, scaled)
             total = collectives.all_reduce(p_g["bias"], group)
             errors["grad bias (sum over tp)"] = _err(total, d_g["bias"], scaled)
@@ -257,6 +304,8 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
         "mode": mode,
         "tp": group.size,
         "compute_dtype": str(compute_dtype),
+        "split": "uneven" if sizes is not None else "even",
+        "split_sizes": sizes,
         "passed": bool(init_exact and max_error <= atol),
         "max_error": max_error,
         "init_exact": bool(init_exact),
@@ -269,23 +318,31 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
 @check("layers.column")
 def column(ctx: CheckContext, tp=None, cp=None, bias=True, gather_output=True,
            sequence_parallel=False, skip_bias_add=False, compute_dtype="float32",
-           atol=None, **sizes) -> dict:
-    """ColumnParallelLinear in one configuration against mint.nn.Linear."""
+           atol=None, split_sizes=None, **sizes) -> dict:
+    """ColumnParallelLinear in one configuration against mint.nn.Linear.
+
+    ``split_sizes`` (with ``sequence_parallel``): an uneven sequence, a list of one size
+    per tp rank (zeros allowed) or ``"auto"`` (S = tp + 1); see :func:`compare_with_dense`."""
     group = _ensure_parallel(ctx, tp, cp)
     return compare_with_dense("column", group, bias=bias, gather_output=gather_output,
                               sequence_parallel=sequence_parallel, skip_bias_add=skip_bias_add,
-                              compute_dtype=compute_dtype, atol=atol, **sizes)
+                              compute_dtype=compute_dtype, atol=atol, split_sizes=split_sizes,
+                              **sizes)
 
 
 @check("layers.row")
 def row(ctx: CheckContext, tp=None, cp=None, bias=True, input_is_parallel=False,
         sequence_parallel=False, skip_bias_add=False, compute_dtype="float32",
-        atol=None, **sizes) -> dict:
-    """RowParallelLinear in one configuration against mint.nn.Linear."""
+        atol=None, split_sizes=None, **sizes) -> dict:
+    """RowParallelLinear in one configuration against mint.nn.Linear.
+
+    ``split_sizes`` (with ``sequence_parallel``): an uneven sequence, a list of one size
+    per tp rank (zeros allowed) or ``"auto"`` (S = tp + 1); see :func:`compare_with_dense`."""
     group = _ensure_parallel(ctx, tp, cp)
     return compare_with_dense("row", group, bias=bias, input_is_parallel=input_is_parallel,
                               sequence_parallel=sequence_parallel, skip_bias_add=skip_bias_add,
-                              compute_dtype=compute_dtype, atol=atol, **sizes)
+                              compute_dtype=compute_dtype, atol=atol, split_sizes=split_sizes,
+                              **sizes)
 
 
 @check("layers.matrix")
@@ -294,19 +351,23 @@ def matrix(ctx: CheckContext, tp=None, cp=None, compute_dtype="float32", atol=No
     """Both layers in every combination of bias x gather_output / input_is_parallel x
     sequence_parallel (16 records), plus skip_bias_add with bias (4 more by default)."""
     group = _ensure_parallel(ctx, tp, cp)
-    records = []
+    return [compare_with_dense(kind, group, compute_dtype=compute_dtype, atol=atol, **flags, **sizes)
+            for kind, flags in matrix_configs(skip_bias_add)]
+
+
+def matrix_configs(skip_bias_add=True) -> list:
+    """``(kind, flags)`` of every configuration: bias x gather_output / input_is_parallel x
+    sequence_parallel for both layers, plus skip_bias_add with bias (4 more)."""
+    configs = []
     for kind, (b, split, sp) in itertools.product(("column", "row"),
                                                  itertools.product((True, False), repeat=3)):
         flag = {"gather_output": split} if kind == "column" else {"input_is_parallel": split}
-        records.append(compare_with_dense(kind, group, bias=b, sequence_parallel=sp,
-                                          compute_dtype=compute_dtype, atol=atol, **flag, **sizes))
+        configs.append((kind, dict(bias=b, sequence_parallel=sp, **flag)))
     if skip_bias_add:
         for kind, split in itertools.product(("column", "row"), (True, False)):
             flag = {"gather_output": split} if kind == "column" else {"input_is_parallel": split}
-            records.append(compare_with_dense(kind, group, bias=True, skip_bias_add=True,
-                                              sequence_parallel=False, compute_dtype=compute_dtype,
-                                              atol=atol, **flag, **sizes))
-    return records
+            configs.append((kind, dict(bias=True, skip_bias_add=True, sequence_parallel=False, **flag)))
+    return configs
 
 
 # Representative configurations for the execution-mode check: every mapping the
@@ -322,13 +383,19 @@ MODE_CONFIGS = (
 
 @check("layers.modes")
 def modes(ctx: CheckContext, tp=None, cp=None, modes=("jit", "jit-construct", "graph"),
-          compute_dtype="float32", atol=None, **sizes) -> list:
+          configs="representative", compute_dtype="float32", atol=None, **sizes) -> list:
     """The layers compiled (see :data:`LAYER_MODES`) against the dense layer AND against
     the same layer in PyNative: ``pynative_diff`` is the largest difference between the
-    compiled and the PyNative output and gradients (float32: must be <= 1e-6)."""
+    compiled and the PyNative output and gradients (float32: must be <= 1e-6).
+
+    ``configs``: ``"representative"`` (:data:`MODE_CONFIGS`, 5) or ``"all"`` (the 20 of
+    ``layers.matrix``); each compiled configuration costs a graph compile (~1.5 s on 4
+    CPU ranks)."""
     group = _ensure_parallel(ctx, tp, cp)
+    if configs not in ("representative", "all"):
+        raise ValueError(f"configs={configs!r} is invalid: expected 'representative' or 'all'")
     records = []
-    for kind, flags in MODE_CONFIGS:
+    for kind, flags in (MODE_CONFIGS if configs == "representative" else matrix_configs()):
         eager = compare_with_dense(kind, group, compute_dtype=compute_dtype, atol=atol,
                                    keep_values=True, **flags, **sizes)
         want = eager.pop("_values")
@@ -447,64 +514,3 @@ def dense_equivalence(ctx: CheckContext, tp=None, cp=None, compute_dtype="float3
     return (init_exact(ctx, tp, cp)
             + matrix(ctx, tp, cp, compute_dtype=compute_dtype, atol=atol, **sizes)
             + errors(ctx, tp, cp))
-
-
-# ----------------------------------------------------------------------------- examples
-def examples_dir() -> str:
-    """``$MSDIST_EXAMPLES_DIR``, else ``examples/`` of the source checkout."""
-    env = os.environ.get(EXAMPLES_ENV)
-    if env:
-        return os.path.abspath(env)
-    here = os.path.dirname(os.path.abspath(__file__))
-    # .../<root>/mindscience/distributed/harness/checks -> <root>/examples
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(here)))), "examples")
-
-
-def _load_example(name: str):
-    folder = examples_dir()
-    if not os.path.isfile(os.path.join(folder, f"{name}.py")):
-        raise FileNotFoundError(
-            f"example {name}.py not found in {folder}: run from a source checkout, or set "
-            f"{EXAMPLES_ENV} to the folder holding the examples."
-        )
-    if folder not in sys.path:
-        sys.path.insert(0, folder)  # the examples import their sibling _common.py
-    return importlib.import_module(name)
-
-
-def _run_example(ctx, name, tp, cp, **params) -> dict:
-    try:
-        module = _load_example(name)
-    except FileNotFoundError as exc:
-        return {"check": f"examples.{name}", "passed": False, "max_error": None, "reason": str(exc)}
-    _ensure_parallel(ctx, tp, cp)
-    record = module.run(**params)
-    record.setdefault("check", f"examples.{name}")
-    record.setdefault("group", "world")
-    if params:
-        record["case"] = _case(**params)
-    return record
-
-
-@check("examples.tp_mlp")
-def example_tp_mlp(ctx: CheckContext, tp=None, cp=None, **params) -> dict:
-    """examples/tp_mlp.py: tensor-parallel MLP training, loss curve vs dense."""
-    return _run_example(ctx, "tp_mlp", tp, cp, **params)
-
-
-@check("examples.attention_tp")
-def example_attention_tp(ctx: CheckContext, tp=None, cp=None, **params) -> dict:
-    """examples/attention_tp.py: Megatron tensor-parallel attention vs dense."""
-    return _run_example(ctx, "attention_tp", tp, cp, **params)
-
-
-@check("examples.attention_ulysses")
-def example_attention_ulysses(ctx: CheckContext, tp=None, cp=None, **params) -> dict:
-    """examples/attention_ulysses.py: Ulysses context-parallel attention vs dense."""
-    return _run_example(ctx, "attention_ulysses", tp, cp, **params)
-
-
-@check("examples.attention_cp_allgather")
-def example_attention_cp_allgather(ctx: CheckContext, tp=None, cp=None, **params) -> dict:
-    """examples/attention_cp_allgather.py: context parallelism by all-gathered k/v vs dense."""
-    return _run_example(ctx, "attention_cp_allgather", tp, cp, **params)

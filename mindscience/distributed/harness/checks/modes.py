@@ -19,6 +19,12 @@ import mindspore as ms
 from mindspore import nn
 
 MODES = ("pynative", "jit", "graph")
+
+# Every function compiled here stays referenced for the life of the process: MindSpore
+# caches compiled functions by object identity, and a freed closure's id reused by the
+# next case's closure brought back the previous case's graph (measured: a
+# reduce_scatter_to_sequence case traced gather_from_sequence's body).
+_COMPILED_KEEP_ALIVE: list = []
 DEFAULT_MODES = ("pynative", "jit")
 
 
@@ -50,7 +56,9 @@ def value_and_grad(mode: str, loss, x, with_value: bool = True):
     if mode == "graph":
         ms.set_context(mode=ms.GRAPH_MODE)
         try:
-            return _differentiate(_LossCell(loss), x, with_value)
+            cell = _LossCell(loss)
+            _COMPILED_KEEP_ALIVE.append(cell)
+            return _differentiate(cell, x, with_value)
         finally:
             ms.set_context(mode=ms.PYNATIVE_MODE)
     if mode == "jit":
@@ -59,6 +67,8 @@ def value_and_grad(mode: str, loss, x, with_value: bool = True):
 
 
 def _differentiate(fn, x, with_value, compile_grad=False):
+    if compile_grad:
+        _COMPILED_KEEP_ALIVE.append(fn)
     if with_value:
         grad_fn = ms.value_and_grad(fn, grad_position=0, has_aux=True)
         if compile_grad:
