@@ -256,14 +256,24 @@ _FINALIZERS: dict = {}
 
 
 def finalize_gradients(grads, params, bucket_size_mb: float = DEFAULT_BUCKET_MB):
-    """Function form of :class:`GradientFinalizer` with the manager's groups.
+    """Function form of :class:`GradientFinalizer` with the manager's groups (PyNative).
 
     ``finalize_gradients(grads, params)`` returns the finalized gradient tuple. The
     Cell is built on the first call for these parameters (and the groups in force) and
-    cached. Works in PyNative and inside ``mindspore.jit`` when ``params`` is a
-    Python-level list (e.g. ``optimizer.parameters`` captured by the jit function); in
-    GRAPH_MODE ``nn.Cell`` code, hold a :class:`GradientFinalizer` as an attribute.
+    cached. In compiled code (``ms.jit``, GRAPH_MODE) build a :class:`GradientFinalizer`
+    once outside and call it inside: looking the Cell up by its parameters needs Python
+    that compiled code does not run (a ``RuntimeError`` says so).
     """
+    if compiling():
+        raise RuntimeError(
+            "finalize_gradients cannot run inside compiled code (ms.jit / GRAPH_MODE): build "
+            "finalize = mindscience.distributed.GradientFinalizer(params) outside the compiled "
+            "function and call finalize(grads) inside it (PyNative runs finalize_gradients as is)"
+        )
+    return _cached_finalizer(params, bucket_size_mb)(grads)
+
+
+def _cached_finalizer(params, bucket_size_mb):
     groups = ()
     if manager.is_initialized():
         groups = (manager.get_tensor_parallel_group(), manager.get_data_context_parallel_group())
@@ -272,4 +282,4 @@ def finalize_gradients(grads, params, bucket_size_mb: float = DEFAULT_BUCKET_MB)
     if cell is None:
         cell = GradientFinalizer(params, bucket_size_mb=bucket_size_mb)
         _FINALIZERS[key] = cell
-    return cell(grads)
+    return cell
