@@ -62,6 +62,34 @@ def _loadavg() -> str:
         return "n/a"
 
 
+def run_bench_launch(spec, world_size: int, timeout: float, progress_every_s: float = 30):
+    """One msrun launch of ``spec`` with bench/ on the workers' PYTHONPATH (for the
+    spec's check ``modules``), a progress line on stderr every ``progress_every_s``.
+
+    Returns ``(result, wall_s, load_after)``, or None after printing the failures.
+    """
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)}
+    last = [0.0]
+
+    def progress(snap):
+        now = time.time()
+        if now - last[0] >= progress_every_s or snap.get("finished"):
+            last[0] = now
+            cur = {r: (s or {}).get("current") for r, s in (snap.get("ranks") or {}).items()}
+            print(f"[{snap.get('elapsed_s', 0):6.0f} s] load {_loadavg()} {cur}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    result = launch(spec, world_size, timeout=timeout, env=env, on_progress=progress)
+    wall = time.perf_counter() - t0
+    load_after = _loadavg()
+    if not result.ok:
+        print(f"launch failed (log dir {result.log_dir}):", file=sys.stderr)
+        for f in result.failures:
+            print(f"  rank {f['rank']} {f['kind']}: {f['reason']}\n{f.get('log_tail', '')}", file=sys.stderr)
+        return None
+    return result, wall, load_after
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
@@ -180,31 +208,16 @@ def main(argv=None) -> int:
 
     command = "python bench/bench_mappings.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     load_before = _loadavg()
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)}
     spec = {
         "checks": [{"name": CHECK, "params": {
             "size_mib": args.size_mib, "iters": args.iters, "repeats": args.repeats,
             "warmup": args.warmup, "sections": args.sections}}],
         "modules": [MODULE],
     }
-    last = [0.0]
-
-    def progress(snap):
-        now = time.time()
-        if now - last[0] >= 30 or snap.get("finished"):
-            last[0] = now
-            cur = {r: (s or {}).get("current") for r, s in (snap.get("ranks") or {}).items()}
-            print(f"[{snap.get('elapsed_s', 0):6.0f} s] {cur}", file=sys.stderr, flush=True)
-
-    t0 = time.perf_counter()
-    result = launch(spec, args.world_size, timeout=args.timeout, env=env, on_progress=progress)
-    wall = time.perf_counter() - t0
-    load_after = _loadavg()
-    if not result.ok:
-        print(f"launch failed (log dir {result.log_dir}):", file=sys.stderr)
-        for f in result.failures:
-            print(f"  rank {f['rank']} {f['kind']}: {f['reason']}\n{f.get('log_tail', '')}", file=sys.stderr)
+    launched = run_bench_launch(spec, args.world_size, args.timeout)
+    if launched is None:
         return 1
+    result, wall, load_after = launched
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({r: (s or {}).get("records") for r, s in result.ranks.items()}, fh, indent=1)

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,9 +39,9 @@ for p in (str(ROOT), str(BENCH)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_mappings import _cpu_model, _fmt, _loadavg, _nproc, _version, aggregate  # noqa: E402
+from bench_mappings import (  # noqa: E402
+    _cpu_model, _fmt, _loadavg, _nproc, _version, aggregate, run_bench_launch)
 
-from mindscience.distributed.harness import launch  # noqa: E402  (no MindSpore import)
 
 CHECK = "bench.modes"
 MODULE = "mode_bench_checks"
@@ -114,7 +112,6 @@ def main(argv=None) -> int:
 
     command = "python bench/bench_modes.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     load_before = _loadavg()
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)}
     spec = {
         "checks": [{"name": CHECK, "params": {
             "size_mib": args.size_mib, "iters": args.iters, "repeats": args.repeats,
@@ -122,24 +119,10 @@ def main(argv=None) -> int:
             "autograd": args.autograd}}],
         "modules": [MODULE],
     }
-    last = [0.0]
-
-    def progress(snap):
-        now = time.time()
-        if now - last[0] >= 60 or snap.get("finished"):
-            last[0] = now
-            cur = {r: (s or {}).get("current") for r, s in (snap.get("ranks") or {}).items()}
-            print(f"[{snap.get('elapsed_s', 0):6.0f} s] load {_loadavg()} {cur}", file=sys.stderr, flush=True)
-
-    t0 = time.perf_counter()
-    result = launch(spec, args.world_size, timeout=args.timeout, env=env, on_progress=progress)
-    wall = time.perf_counter() - t0
-    load_after = _loadavg()
-    if not result.ok:
-        print(f"launch failed (log dir {result.log_dir}):", file=sys.stderr)
-        for f in result.failures:
-            print(f"  rank {f['rank']} {f['kind']}: {f['reason']}\n{f.get('log_tail', '')}", file=sys.stderr)
+    launched = run_bench_launch(spec, args.world_size, args.timeout, progress_every_s=60)
+    if launched is None:
         return 1
+    result, wall, load_after = launched
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({r: (s or {}).get("records") for r, s in result.ranks.items()}, fh, indent=1)

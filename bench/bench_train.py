@@ -22,11 +22,9 @@ are what the figures in docs/BENCHMARKS.md report.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,14 +33,7 @@ for p in (str(ROOT), str(BENCH)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from mindscience.distributed.harness import launch  # noqa: E402  (no MindSpore import)
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(f"{v:.1f}" for v in os.getloadavg())
-    except OSError:
-        return "?"
+from bench_mappings import _loadavg, run_bench_launch  # noqa: E402  (no MindSpore import)
 
 
 def main(argv=None) -> int:
@@ -54,7 +45,6 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     command = "python bench/bench_train.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)}
     spec = {
         "layout": {"world_size": args.world_size, "tp": 2, "cp": 2},
         "checks": [
@@ -64,17 +54,13 @@ def main(argv=None) -> int:
         "modules": ["train_bench_checks"],
     }
     load_before = _loadavg()
-    t0 = time.perf_counter()
-    result = launch(spec, args.world_size, timeout=args.timeout, env=env)
-    wall = time.perf_counter() - t0
-    if not result.ok:
-        print(f"launch failed (log dir {result.log_dir}):", file=sys.stderr)
-        for f in result.failures:
-            print(f"  rank {f['rank']} {f['kind']}: {f['reason']}", file=sys.stderr)
+    launched = run_bench_launch(spec, args.world_size, args.timeout, progress_every_s=60)
+    if launched is None:
         return 1
+    result, wall, load_after = launched
     recs = [r for st in result.ranks.values() for r in (st or {}).get("records", [])]
     print(f"command: {command}")
-    print(f"{args.world_size} ranks, wall {wall:.0f} s, load {load_before} -> {_loadavg()}")
+    print(f"{args.world_size} ranks, wall {wall:.0f} s, load {load_before} -> {load_after}")
     print()
     print("GradientFinalizer, slowest rank's median time per call")
     print("| mode | buckets (tp, dp-cp) | params | MiB | per call ms | vs per-tensor |")

@@ -53,6 +53,21 @@ def _pattern(shape, offset: int, mod: int) -> np.ndarray:
     return ((np.arange(n, dtype=np.int64) + offset) % mod + 1).astype(np.float32).reshape(shape)
 
 
+def tp_group_and_rows(ctx: CheckContext, size_mib: float):
+    """The tp group (the whole world unless a layout says otherwise) and the number of
+    rows S, a multiple of G, of a float32 (S, H) tensor of about ``size_mib`` MiB."""
+    from mindscience.distributed import manager
+
+    if not manager.is_initialized():
+        manager.initialize_parallel(tensor_parallel_size=ctx.world_size)
+    g = manager.get_tensor_parallel_group()
+    S = int(size_mib * MIB) // (4 * H)
+    S -= S % g.size
+    if S < g.size:
+        raise ValueError(f"size_mib={size_mib} is too small for a ({g.size}*k, {H}) tensor")
+    return g, S
+
+
 @check("bench.mappings")
 def bench_mappings(
     ctx: CheckContext,
@@ -67,17 +82,10 @@ def bench_mappings(
     from mindspore.mint import distributed as md
 
     from mindscience.distributed import collectives as C
-    from mindscience.distributed import manager
     from mindscience.distributed import mappings as M
 
-    if not manager.is_initialized():
-        manager.initialize_parallel(tensor_parallel_size=ctx.world_size)
-    g = manager.get_tensor_parallel_group()
+    g, S = tp_group_and_rows(ctx, size_mib)
     G, r = g.size, g.rank
-    S = int(size_mib * MIB) // (4 * H)
-    S -= S % G
-    if S < G:
-        raise ValueError(f"size_mib={size_mib} is too small for a ({G}*k, {H}) tensor")
 
     def T(a):
         return ms.Tensor(a)

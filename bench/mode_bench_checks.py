@@ -49,22 +49,13 @@ import time
 
 import numpy as np
 
+from mapping_bench_checks import H, tp_group_and_rows
+
+from mindscience.distributed.harness.checks.mapping_reference import MAPPING_NAMES
 from mindscience.distributed.harness.registry import CheckContext, check
 
-H = 4096
-MIB = 1 << 20
-
-MAPPINGS = (
-    "copy_to_all",
-    "reduce_from_all",
-    "scatter_to_hidden",
-    "gather_from_hidden",
-    "scatter_to_sequence",
-    "gather_from_sequence",
-    "reduce_scatter_to_sequence",
-    "all_to_all_from_hidden_to_sequence",
-    "all_to_all_from_sequence_to_hidden",
-)
+# The nine public mappings (the reference's list also holds a gather variant).
+MAPPINGS = tuple(name for name in MAPPING_NAMES if "(" not in name)
 UNEVEN = (
     "gather_from_sequence",
     "reduce_scatter_to_sequence",
@@ -130,17 +121,10 @@ def bench_modes(
     import mindspore as ms
 
     from mindscience.distributed import collectives as C
-    from mindscience.distributed import manager
     from mindscience.distributed import mappings as M
 
-    if not manager.is_initialized():
-        manager.initialize_parallel(tensor_parallel_size=ctx.world_size)
-    g = manager.get_tensor_parallel_group()
+    g, S = tp_group_and_rows(ctx, size_mib)
     G, r = g.size, g.rank
-    S = int(size_mib * MIB) // (4 * H)
-    S -= S % G
-    if S < G:
-        raise ValueError(f"size_mib={size_mib} is too small for a ({G}*k, {H}) tensor")
     selected = [m for m in (mappings.split(",") if mappings else MAPPINGS) if m]
 
     def T(a):

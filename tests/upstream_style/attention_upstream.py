@@ -140,7 +140,7 @@ class TensorParallelAttention(nn.Cell):
         return self.w_o(attn)
 
 
-class UlyssesContextParallelAttention(nn.Cell):
+class UlyssesContextParallelAttention(TensorParallelAttention):
     """Ulysses: my rows of all heads -> all rows of my heads, attention, and back.
 
     The projections are tensor-parallel as well (plain dense layers at tp=1), so the
@@ -148,15 +148,9 @@ class UlyssesContextParallelAttention(nn.Cell):
     """
 
     def __init__(self, features_dim, num_heads, causal):
-        super().__init__()
+        super().__init__(features_dim, num_heads, causal)  # the same tp projections
         self.cp_group = get_context_parallel_group()
         self.local_heads = num_heads // (get_tensor_parallel_world_size() * self.cp_group.size)
-        self.causal = causal
-        self.w_qkv = ColumnParallelLinear(features_dim, features_dim * 3,
-                                          gather_output=False, compute_dtype=mstype.float32)
-        self.w_o = RowParallelLinear(features_dim, features_dim,
-                                     input_is_parallel=True, compute_dtype=mstype.float32)
-        self.scale = (features_dim // num_heads) ** -0.5
         self.all_to_all_s2h = AllToAllFromSequenceToHidden.apply
         self.all_to_all_h2s = AllToAllFromHiddenToSequence.apply
 
@@ -172,19 +166,12 @@ class UlyssesContextParallelAttention(nn.Cell):
         return self.w_o(attn)
 
 
-class ColossalContextParallelAttention(nn.Cell):
+class ColossalContextParallelAttention(TensorParallelAttention):
     """All-gather-KV context parallelism: my queries attend over the gathered keys/values."""
 
     def __init__(self, features_dim, num_heads, causal):
-        super().__init__()
+        super().__init__(features_dim, num_heads, causal)  # the same tp projections
         self.cp_group = get_context_parallel_group()
-        self.local_heads = num_heads // get_tensor_parallel_world_size()
-        self.causal = causal
-        self.w_qkv = ColumnParallelLinear(features_dim, features_dim * 3,
-                                          gather_output=False, compute_dtype=mstype.float32)
-        self.w_o = RowParallelLinear(features_dim, features_dim,
-                                     input_is_parallel=True, compute_dtype=mstype.float32)
-        self.scale = (features_dim // num_heads) ** -0.5
         self.all_gather = GatherFromSequence.apply
 
     def construct(self, x, bs):
