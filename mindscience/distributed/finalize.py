@@ -26,6 +26,7 @@ it builds and caches the Cell for the parameter list).
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Sequence
 
@@ -145,12 +146,7 @@ class GradientFinalizer(nn.Cell):
         if ms.get_context("max_call_depth") < need:
             ms.set_context(max_call_depth=need)
         self.shapes = tuple(tuple(p.shape) for p in params)
-        numels = []
-        for shape in self.shapes:
-            n = 1
-            for d in shape:
-                n *= int(d)
-            numels.append(n)
+        numels = [math.prod(int(d) for d in shape) for shape in self.shapes]
         self.numels = tuple(numels)
         dtypes = [p.dtype for p in params]
         bucket_bytes = int(bucket_size_mb * (1 << 20))
