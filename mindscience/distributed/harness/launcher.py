@@ -50,6 +50,8 @@ WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker
 _PACKAGE_ROOT = os.path.abspath(os.path.join(os.path.dirname(WORKER_SCRIPT), "..", "..", ".."))
 
 JOB_ENV = "MSDIST_HARNESS_JOB"
+# Ranks started on this machine; the worker reads it under the same name (worker.py).
+RANKS_HERE_ENV = "MSDIST_RANKS_HERE"
 RESULTS_DIR = "results"
 DEFAULT_TIMEOUT_S = 300.0
 POLL_S = 0.2
@@ -347,8 +349,11 @@ def _prepend(paths: str, first: str) -> str:
     return os.pathsep.join([first] + [p for p in paths.split(os.pathsep) if p and p != first])
 
 
-def _child_env(job_id: str, env: Optional[Mapping], python: Optional[str]) -> dict:
+def _child_env(job_id: str, env: Optional[Mapping], python: Optional[str],
+               ranks_here: int = 1) -> dict:
     child = dict(os.environ)
+    # How many ranks share this machine's cores (the worker sizes its CPU thread pool).
+    child[RANKS_HERE_ENV] = str(ranks_here)
     child.update({k: str(v) for k, v in (env or {}).items()})
     # msrun starts the ranks as plain `python`, looked up on PATH: make it this one.
     child["PATH"] = _prepend(child.get("PATH", ""), os.path.dirname(python or sys.executable))
@@ -1093,7 +1098,7 @@ def launch(
     msrun_log = os.path.join(run_dir, "msrun.log")
 
     def start(launchers, helpers):
-        launchers.append(_popen(command, _child_env(job_id, env, python), msrun_log))
+        launchers.append(_popen(command, _child_env(job_id, env, python, local), msrun_log))
 
     first = node_rank * local
     fields = _run_job(
@@ -1184,7 +1189,7 @@ def launch_local_multinode(
             log_path=os.path.join(run_dir, "scheduler.log"), spec_path=spec_path,
             out_dir=out_dir, env=env, python=python, job_id=job_id,
         ))
-        child_env = _child_env(job_id, env, python)
+        child_env = _child_env(job_id, env, python, world_size)
         for command, log in zip(commands, msrun_logs):
             launchers.append(_popen(command, child_env, log))
 

@@ -68,7 +68,7 @@ from .mapping_reference import (
     output_shape,
     reference,
 )
-from .modes import check_mode, value_and_grad
+from .modes import check_mode, value_and_grad, value_and_grad_many
 
 __all__ = ["MAPPING_NAMES", "SEQUENCE_MAPPINGS", "DTYPES", "reference", "run_mappings"]
 
@@ -177,6 +177,7 @@ def run_mappings(groups, dtypes=DTYPES, shapes=None, mappings=MAPPING_NAMES, see
         raise ValueError(f"group_api={group_api!r} is invalid: expected 'object' or 'name'")
     backend = C.get_backend()
     records = []
+    pending: dict = {}
     for key, group in groups.items():
         G, r = group.size, group.rank
         arg = group
@@ -200,45 +201,89 @@ def run_mappings(groups, dtypes=DTYPES, shapes=None, mappings=MAPPING_NAMES, see
                       for gr, rank in enumerate(group.ranks)]
                 want_out, want_grad = reference(name, xs, cs, r, sizes)
                 for mode in modes:
-                    records.append(_run_one(
-                        C, ms, mode, name, fn, arg, key, G, r, dtype, mdt, shape, sizes,
-                        xs[r], cs[r], want_out, want_grad, group_api, backend, extra))
+                    case = _Case(name, fn, arg, key, G, r, dtype, mdt, shape, sizes, mode,
+                                 xs[r], cs[r], want_out, want_grad)
+                    if _compiled_alone(mode, sizes):
+                        records += _run_cases(C, ms, [case], group_api, backend, extra)
+                    else:
+                        pending.setdefault((mode, dtype), []).append(case)
+        # One compiled graph per (mode, dtype) and group: see modes.value_and_grad_many.
+        for cases in pending.values():
+            records += _run_cases(C, ms, cases, group_api, backend, extra)
+        pending.clear()
     return records
 
 
-def _run_one(C, ms, mode, name, fn, arg, key, G, r, dtype, mdt, shape, sizes, x_np, c_np,
-             want_out, want_grad, group_api, backend, extra) -> dict:
+def _compiled_alone(mode: str, sizes) -> bool:
+    """PyNative cases, and compiled ones on an uneven split, run one at a time.
+
+    On an uneven split each rank's graph has other shapes (and an empty shard other
+    ops), and the independent collectives of several cases in one graph were then
+    scheduled in a different order on different ranks (measured: a ring all-reduce of
+    40 bytes met one of 64, "Memcpy error"). Even cases give every rank the same graph.
+    """
+    return mode == "pynative" or sizes is not None
+
+
+class _Case:
+    """One (mapping, group, dtype, shape, split, mode) combination and its reference."""
+
+    def __init__(self, name, fn, arg, key, G, r, dtype, mdt, shape, sizes, mode,
+                 x_np, c_np, want_out, want_grad):
+        self.name, self.fn, self.arg, self.key, self.G, self.r = name, fn, arg, key, G, r
+        self.dtype, self.mdt, self.shape, self.sizes, self.mode = dtype, mdt, shape, sizes, mode
+        self.x_np, self.c_np, self.want_out, self.want_grad = x_np, c_np, want_out, want_grad
+
+    def describe(self) -> str:
+        return (f"mapping.{self.name} on group {self.key!r} (size {self.G}, group rank "
+                f"{self.r}), mode {self.mode}, dtype {self.dtype}, global shape "
+                f"{list(self.shape)}, split_sizes {self.sizes}")
+
+
+def _run_cases(C, ms, cases, group_api, backend, extra) -> list[dict]:
+    """Run cases of one mode and dtype (compiled: as one graph) and check each."""
+    mode, dtype = cases[0].mode, cases[0].dtype
+    with_value = dtype == "float32"
+    xs = [ms.Tensor(case.x_np).astype(case.mdt) for case in cases]
+    losses = [_make_loss(case.fn, case.arg, ms.Tensor(case.c_np), case.sizes) for case in cases]
+    calls0 = C.call_count()
+    try:
+        results = value_and_grad_many(mode, losses, xs, with_value)
+    except Exception as exc:
+        what = cases[0].describe() if len(cases) == 1 else (
+            f"one of {len(cases)} cases compiled together: "
+            + "; ".join(case.describe() for case in cases))
+        raise RuntimeError(f"{what} raised: {exc}") from exc
+    # Per case; compiled code calls the backend while it traces, once per graph.
+    calls = (C.call_count() - calls0) // len(cases)
+    return [_check_case(case, loss, out, grad, calls, with_value, group_api, backend, extra,
+                        batch=len(cases))
+            for case, ((loss, out), grad) in zip(cases, results)]
+
+
+def _check_case(case, loss, out, grad, calls, with_value, group_api, backend, extra,
+                batch) -> dict:
+    name, G, sizes, dtype, mdt = case.name, case.G, case.sizes, case.dtype, case.mdt
     record = {
-        "check": f"mapping.{name}", "group": key, "group_size": G, "mode": mode,
-        "dtype": dtype, "shape": list(shape), "input_shape": list(x_np.shape),
-        "output_shape": list(c_np.shape), "split_sizes": list(sizes) if sizes else None,
+        "check": f"mapping.{name}", "group": case.key, "group_size": G, "mode": case.mode,
+        "dtype": dtype, "shape": list(case.shape), "input_shape": list(case.x_np.shape),
+        "output_shape": list(case.c_np.shape), "split_sizes": list(sizes) if sizes else None,
         "split": "uneven" if sizes else "even",
         "direction": "forward+backward", "group_api": group_api, "backend": backend.name,
         "collectives": list(COLLECTIVES[name]),
         "composed": [op for op in COLLECTIVES[name] if backend.composed[op]],
+        "autograd": "ms.value_and_grad" if with_value else "ms.grad",
+        # How many cases were differentiated in the same compiled graph (1: alone).
+        "compiled_with": batch,
         **(extra or {}),
     }
-    x = ms.Tensor(x_np).astype(mdt)
-    c = ms.Tensor(c_np)
-    loss_fn = _make_loss(fn, arg, c, sizes)
-    with_value = dtype == "float32"
-    record["autograd"] = "ms.value_and_grad" if with_value else "ms.grad"
-    calls0 = C.call_count()
-    try:
-        (loss, out), grad = value_and_grad(mode, loss_fn, x, with_value)
-    except Exception as exc:
-        raise RuntimeError(
-            f"mapping.{name} raised on group {key!r} (size {G}, group rank {r}), mode "
-            f"{mode}, dtype {dtype}, global shape {list(shape)}, split_sizes {sizes}: {exc}"
-        ) from exc
-    calls = C.call_count() - calls0
     loss_error = 0.0
     if with_value:
-        want_loss = float(np.sum(want_out.astype(np.float64) * c_np))
+        want_loss = float(np.sum(case.want_out.astype(np.float64) * case.c_np))
         loss_error = abs(float(loss.asnumpy()) - want_loss)
     got_out = out.astype(ms.float32).asnumpy()
     got_grad = grad.astype(ms.float32).asnumpy()
-    fwd, bwd = max_error(got_out, want_out), max_error(got_grad, want_grad)
+    fwd, bwd = max_error(got_out, case.want_out), max_error(got_grad, case.want_grad)
     tol = TOLERANCE[dtype]
     dtypes_ok = out.dtype == mdt and grad.dtype == mdt
     identity_ok = G > 1 or calls == 0
@@ -254,8 +299,8 @@ def _run_one(C, ms, mode, name, fn, arg, key, G, r, dtype, mdt, shape, sizes, x_
         record["error"] = f"size-1 group made {calls} backend calls, expected 0"
     elif not record["passed"]:
         record["error"] = (
-            f"shapes out {list(got_out.shape)} (want {list(want_out.shape)}), "
-            f"grad {list(got_grad.shape)} (want {list(want_grad.shape)})"
+            f"shapes out {list(got_out.shape)} (want {list(case.want_out.shape)}), "
+            f"grad {list(got_grad.shape)} (want {list(case.want_grad.shape)})"
         )
     return record
 
@@ -306,8 +351,6 @@ def _split_size_cases(G: int, r: int):
 
 def _compiled_errors(ms, M, C, key, group, mode) -> list[dict]:
     """In compiled code: a non-divisible dim, and a never-resolved backend name."""
-    from .modes import value_and_grad
-
     G = group.size
     x = ms.Tensor(np.zeros((G + 1, 2 * G), np.float32))
     gather_name = "never-resolved-group-name"

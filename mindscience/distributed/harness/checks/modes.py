@@ -16,7 +16,7 @@ graph      ``set_context(mode=GRAPH_MODE)``, a ``nn.Cell`` whose construct is th
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import nn
+from mindspore import nn, ops
 
 MODES = ("pynative", "jit", "graph")
 
@@ -32,6 +32,17 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is invalid: expected one of {', '.join(MODES)}")
     return mode
+
+
+class _BatchCell(nn.Cell):
+    """``construct(*xs) = batch(*xs)``: several losses differentiated as one GRAPH_MODE graph."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def construct(self, *xs):
+        return self.batch(*xs)
 
 
 class _LossCell(nn.Cell):
@@ -80,3 +91,71 @@ def _differentiate(fn, x, with_value, compile_grad=False):
         grad_fn = ms.jit(grad_fn)
     grad, aux = grad_fn(x)
     return (None, aux[0] if isinstance(aux, tuple) else aux), grad
+
+
+def _batch_of(losses):
+    """``batch(*xs) = (sum_i loss_i(x_i), (value_i...), (aux_i...))``, one compiled graph.
+
+    Each ``x_i`` reaches only its own ``loss_i``, so the gradient with respect to ``x_i``
+    of the sum is exactly ``loss_i``'s gradient.
+    """
+    n = len(losses)
+
+    def batch(*xs):
+        total = ops.zeros((), ms.float32)
+        values = ()
+        auxs = ()
+        for i in range(n):
+            value, aux = losses[i](xs[i])
+            total = total + value.astype(ms.float32)
+            values = values + (value,)
+            auxs = auxs + (aux,)
+        return total, values, auxs
+
+    return batch
+
+
+def value_and_grad_many(mode: str, losses, xs, with_value: bool = True) -> list:
+    """``value_and_grad(mode, loss_i, x_i)`` for every i, compiled as ONE graph.
+
+    Each compilation costs ~1-2 s on CPU ranks whatever its size, so a battery of N
+    small cases compiled one by one pays N compilations; compiled together it pays one,
+    and the graph holds N mappings as a real train step does. PyNative runs the cases
+    one by one (nothing to compile). The collectives of every case run on every rank in
+    the same graph, so callers must give every rank the same cases in the same order.
+
+    Returns:
+        One ``((value, aux), grad)`` per loss, as :func:`value_and_grad` returns them.
+    """
+    check_mode(mode)
+    losses, xs = tuple(losses), tuple(xs)
+    if mode == "pynative" or len(losses) == 1:
+        return [value_and_grad(mode, loss, x, with_value) for loss, x in zip(losses, xs)]
+    batch = _batch_of(losses)
+    positions = tuple(range(len(xs)))
+    if mode == "graph":
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            fn = _BatchCell(batch)
+            _COMPILED_KEEP_ALIVE.append(fn)
+            return _differentiate_many(fn, xs, positions, with_value, compile_grad=False)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+    _COMPILED_KEEP_ALIVE.append(batch)
+    return _differentiate_many(batch, xs, positions, with_value, compile_grad=True)
+
+
+def _differentiate_many(fn, xs, positions, with_value, compile_grad):
+    if with_value:
+        grad_fn = ms.value_and_grad(fn, grad_position=positions, has_aux=True)
+    else:
+        grad_fn = ms.grad(fn, grad_position=positions, has_aux=True)
+    if compile_grad:
+        _COMPILED_KEEP_ALIVE.append(grad_fn)
+        grad_fn = ms.jit(grad_fn)
+    if with_value:
+        (_, values, auxs), grads = grad_fn(*xs)
+    else:
+        grads, (values, auxs) = grad_fn(*xs)
+        values = (None,) * len(xs)
+    return [((value, aux), grad) for value, aux, grad in zip(values, auxs, grads)]
