@@ -7,7 +7,8 @@ Used by the test suite and by ``msdist verify``. Importing this package (and
     result = launch({"checks": ["basic.ping", "basic.allreduce"]}, world_size=2, timeout=120)
     result.ok, result.failures, merge_records(result)
 
-Layout: ``launcher`` (parent side: msrun command, monitoring, cleanup), ``worker``
+Layout: ``launcher`` (parent side: ``launch``, merging records) over ``msrun_command``,
+``processes`` (``/proc`` discovery and cleanup) and ``monitor``; ``worker``
 (rank side: the script msrun runs), ``registry`` (``@check``), ``checks/`` (the checks).
 """
 

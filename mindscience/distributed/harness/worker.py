@@ -44,8 +44,9 @@ import threading
 import time
 import traceback
 
-# ``python worker.py`` puts this folder first on sys.path, where ``registry.py``,
-# ``launcher.py`` and ``checks/`` would shadow any top-level module of the same name
+# ``python worker.py`` puts this folder first on sys.path, where the harness's own
+# modules (``registry.py``, ``processes.py``, ``monitor.py``, ``checks/``, ...) would
+# shadow any top-level module of the same name
 # that MindSpore or a check imports. Drop it before importing anything else.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _HERE:
