@@ -137,7 +137,9 @@ class _Kernels(nn.Cell):
             return x
         pad = ops.zeros((rows - have,) + tuple(x.shape[1:]), x.dtype)
         if have == 0:
-            return pad
+            # All padding, yet still after x (see _rows): the collective this feeds must
+            # run in the same order on every rank.
+            return ops.depend(pad, x)
         return ops.cat((x, pad), 0)
 
     # ---------------------------------------------------------------- even ops

@@ -194,16 +194,63 @@ def _forward_backward(net, x, cot, skip_bias_add, mode="pynative", split_sizes=N
     return out, dx, {p.name.split(".")[-1]: g for p, g in zip(params, grads)}
 
 
+def _forward_backward_many(cases, mode):
+    """``[(out, dx, {param name: grad})]`` of several :class:`_LayerCase` layers, as ONE graph.
+
+    ``mode`` "jit" or "graph". The loss is the sum of the cases' losses, chained in order
+    as the mapping battery's are (:func:`.modes._batch_of`), so each layer's gradients
+    are exactly its own; one compile instead of one per configuration (each costs
+    ~1.5 s on 4 CPU ranks).
+    """
+    import mindspore as ms
+
+    from .modes import _COMPILED_KEEP_ALIVE, _BatchCell, _batch_of
+
+    if mode not in ("jit", "graph"):
+        raise ValueError(f"mode {mode!r} is invalid here: expected 'jit' or 'graph'")
+    losses = [_make_layer_loss(c.layer, c.cot, c.skip_bias_add, c.sizes) for c in cases]
+    per_case = [c.layer.trainable_params() for c in cases]
+    for i, ps in enumerate(per_case):
+        for p in ps:
+            # One graph rejects two parameters of one name; every layer has a "weight".
+            p.name = f"case{i}.{p.name}"
+    params = [p for ps in per_case for p in ps]
+    positions = tuple(range(len(cases)))
+    args = [c.x for c in cases] + [ms.Tensor(0.0, ms.float32)]  # the runtime zero of _batch_of
+    batch = _batch_of(losses)
+    _COMPILED_KEEP_ALIVE.extend([batch] + [c.layer for c in cases])
+    if mode == "graph":
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            cell = _BatchCell(batch)
+            _COMPILED_KEEP_ALIVE.append(cell)
+            grad_fn = ms.value_and_grad(cell, grad_position=positions, weights=params, has_aux=True)
+            (_, _, outs), (dxs, grads) = grad_fn(*args)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+    else:
+        grad_fn = ms.value_and_grad(batch, grad_position=positions, weights=params, has_aux=True)
+        _COMPILED_KEEP_ALIVE.append(grad_fn)
+        (_, _, outs), (dxs, grads) = ms.jit(grad_fn)(*args)
+    results, start = [], 0
+    for out, dx, ps in zip(outs, dxs, per_case):
+        gs = grads[start:start + len(ps)]
+        start += len(ps)
+        results.append((out, dx, {p.name.split(".")[-1]: g for p, g in zip(ps, gs)}))
+    return results
+
+
 def _case(**flags) -> str:
     return " ".join(f"{k}={v}" for k, v in flags.items())
 
 
 # ----------------------------------------------------------------------------- layer vs dense
-def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input_is_parallel=False,
-                       sequence_parallel=False, skip_bias_add=False, seq_len=8, batch=2,
-                       in_features=32, out_features=48, seed=0, compute_dtype="float32",
-                       atol=None, mode="pynative", keep_values=False, split_sizes=None) -> dict:
+def compare_with_dense(kind: str, group, *, mode="pynative", keep_values=False, **options) -> dict:
     """One configuration of ``kind`` ("column" or "row") against ``mint.nn.Linear``.
+
+    Options (keyword): ``bias=True, gather_output=True, input_is_parallel=False,
+    sequence_parallel=False, skip_bias_add=False, seq_len=8, batch=2, in_features=32,
+    out_features=48, seed=0, compute_dtype="float32", atol=None, split_sizes=None``.
 
     Returns a record whose ``errors`` hold, per quantity, the max abs difference
     between this rank's parallel value and the matching slice of the dense one (the
@@ -221,98 +268,132 @@ def compare_with_dense(kind: str, group, *, bias=True, gather_output=True, input
     ``[2, 1, ..., 1]``). Each rank's input (Column) or output (Row) is then its uneven
     shard of the dense one; the record carries ``split_sizes`` and ``split: "uneven"``.
     """
-    import mindspore as ms
-    from mindspore import mint
+    case = _LayerCase(kind, group, **options)
+    return case.record(case.run(mode), mode, keep_values)
 
-    from mindscience.distributed import collectives
-    from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear
 
-    scaled = str(compute_dtype) != "float32"
-    if atol is None:
-        atol = LOW_PRECISION_TOL.get(str(compute_dtype), DEFAULT_ATOL) if scaled else DEFAULT_ATOL
-    sizes, seq_len = _resolve_split_sizes(split_sizes, group.size, seq_len, sequence_parallel)
-    rng = np.random.default_rng(seed + 1)
-    x_full = rng.standard_normal((seq_len, batch, in_features)).astype(np.float32)
-    cot_full = rng.standard_normal((seq_len, batch, out_features)).astype(np.float32)
+class _LayerCase:
+    """One layer configuration: the dense and the parallel layer built from one seed, the
+    inputs, the dense results; :meth:`run` differentiates the parallel layer alone,
+    :func:`_forward_backward_many` several at once; :meth:`record` compares."""
 
-    ms.set_seed(seed)
-    dense = mint.nn.Linear(in_features, out_features, bias=bias)
-    ms.set_seed(seed)
-    common = dict(bias=bias, use_sequence_parallel=sequence_parallel, skip_bias_add=skip_bias_add,
-                  compute_dtype=_dtype(compute_dtype), group=group)
-    if kind == "column":
-        layer = ColumnParallelLinear(in_features, out_features, gather_output=gather_output, **common)
-        x = _seq_chunk(x_full, group, sizes) if sequence_parallel else x_full
-        cot = cot_full if gather_output else _chunk(cot_full, group, -1)
-        flags = dict(bias=bias, gather_output=gather_output, sequence_parallel=sequence_parallel)
-    elif kind == "row":
-        layer = RowParallelLinear(in_features, out_features, input_is_parallel=input_is_parallel, **common)
-        x = _chunk(x_full, group, -1) if input_is_parallel else x_full
-        cot = _seq_chunk(cot_full, group, sizes) if sequence_parallel else cot_full
-        flags = dict(bias=bias, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
-    else:
-        raise ValueError(f"kind={kind!r}: expected 'column' or 'row'")
-    if skip_bias_add:
-        flags["skip_bias_add"] = True
-    if sizes is not None:
-        flags["split_sizes"] = "[" + ",".join(map(str, sizes)) + "]"
+    def __init__(self, kind: str, group, *, bias=True, gather_output=True, input_is_parallel=False,
+                 sequence_parallel=False, skip_bias_add=False, seq_len=8, batch=2,
+                 in_features=32, out_features=48, seed=0, compute_dtype="float32",
+                 atol=None, split_sizes=None):
+        import mindspore as ms
+        from mindspore import mint
 
-    d_out, d_dx, d_g = _forward_backward(dense, ms.Tensor(x_full), ms.Tensor(cot_full), False)
-    p_out, p_dx, p_g = _forward_backward(layer, ms.Tensor(x), ms.Tensor(cot), skip_bias_add, mode,
-                                         split_sizes=sizes)
+        from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear
 
-    weight_dim = 0 if kind == "column" else 1
-    errors = {"init weight": _err(layer.weight, _chunk(_np(dense.weight), group, weight_dim))}
-    if bias:
-        dense_bias = _np(dense.bias)
-        want_bias = _chunk(dense_bias, group, 0) if kind == "column" else dense_bias
-        errors["init bias"] = _err(layer.bias, want_bias)
+        self.kind, self.group, self.bias = kind, group, bias
+        self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
+        self.compute_dtype, self.out_features = compute_dtype, out_features
+        self.scaled = str(compute_dtype) != "float32"
+        if atol is None:
+            atol = LOW_PRECISION_TOL.get(str(compute_dtype), DEFAULT_ATOL) if self.scaled else DEFAULT_ATOL
+        self.atol = atol
+        sizes, seq_len = _resolve_split_sizes(split_sizes, group.size, seq_len, sequence_parallel)
+        self.sizes = sizes
+        rng = np.random.default_rng(seed + 1)
+        x_full = rng.standard_normal((seq_len, batch, in_features)).astype(np.float32)
+        self.cot_full = rng.standard_normal((seq_len, batch, out_features)).astype(np.float32)
 
-    if kind == "column":
-        want_out = _np(d_out) if gather_output else _chunk(_np(d_out), group, -1)
-        want_dx = _seq_chunk(_np(d_dx), group, sizes) if sequence_parallel else _np(d_dx)
-    else:
-        want_out = _seq_chunk(_np(d_out), group, sizes) if sequence_parallel else _np(d_out)
-        want_dx = _chunk(_np(d_dx), group, -1) if input_is_parallel else _np(d_dx)
-    errors["output"] = _err(p_out, want_out, scaled)
-    errors["grad input"] = _err(p_dx, want_dx, scaled)
-    errors["grad weight"] = _err(p_g["weight"], _chunk(_np(d_g["weight"]), group, weight_dim), scaled)
-    if bias:
+        ms.set_seed(seed)
+        self.dense = mint.nn.Linear(in_features, out_features, bias=bias)
+        ms.set_seed(seed)
+        common = dict(bias=bias, use_sequence_parallel=sequence_parallel, skip_bias_add=skip_bias_add,
+                      compute_dtype=_dtype(compute_dtype), group=group)
         if kind == "column":
-            errors["grad bias"] = _err(p_g["bias"], _chunk(_np(d_g["bias"]), group, 0), scaled)
-        elif sequence_parallel:
-            # Documented behaviour: each rank holds its sequence chunk's share of the
-            # bias gradient; the shares sum (over tp) to the dense gradient.
-            share = _seq_chunk(cot_full, group, sizes).reshape(-1, out_features).sum(axis=0)
-            errors["grad bias (this rank's share)"] = _err(p_g["bias"], share, scaled)
-            total = collectives.all_reduce(p_g["bias"], group)
-            errors["grad bias (sum over tp)"] = _err(total, d_g["bias"], scaled)
+            self.layer = ColumnParallelLinear(in_features, out_features, gather_output=gather_output,
+                                              **common)
+            x = _seq_chunk(x_full, group, sizes) if sequence_parallel else x_full
+            cot = self.cot_full if gather_output else _chunk(self.cot_full, group, -1)
+            flags = dict(bias=bias, gather_output=gather_output, sequence_parallel=sequence_parallel)
+            self.gather_output = gather_output
+        elif kind == "row":
+            self.layer = RowParallelLinear(in_features, out_features, input_is_parallel=input_is_parallel,
+                                           **common)
+            x = _chunk(x_full, group, -1) if input_is_parallel else x_full
+            cot = _seq_chunk(self.cot_full, group, sizes) if sequence_parallel else self.cot_full
+            flags = dict(bias=bias, input_is_parallel=input_is_parallel,
+                         sequence_parallel=sequence_parallel)
+            self.input_is_parallel = input_is_parallel
         else:
-            errors["grad bias"] = _err(p_g["bias"], d_g["bias"], scaled)
+            raise ValueError(f"kind={kind!r}: expected 'column' or 'row'")
+        if skip_bias_add:
+            flags["skip_bias_add"] = True
+        if sizes is not None:
+            flags["split_sizes"] = "[" + ",".join(map(str, sizes)) + "]"
+        self.flags = flags
+        self.x, self.cot = ms.Tensor(x), ms.Tensor(cot)
+        self.dense_results = _forward_backward(self.dense, ms.Tensor(x_full), ms.Tensor(self.cot_full),
+                                               False)
 
-    max_error = max(errors.values())
-    init_exact = errors["init weight"] == 0.0 and errors.get("init bias", 0.0) == 0.0
-    extra = {}
-    if keep_values:
-        extra["_values"] = {"output": _np(p_out), "grad input": _np(p_dx),
-                            **{f"grad {k}": _np(v) for k, v in p_g.items()}}
-    return {
-        **extra,
-        "check": f"layers.{kind}",
-        "group": "tp",
-        "case": _case(tp=group.size, **flags),
-        "mode": mode,
-        "tp": group.size,
-        "compute_dtype": str(compute_dtype),
-        "split": "uneven" if sizes is not None else "even",
-        "split_sizes": sizes,
-        "passed": bool(init_exact and max_error <= atol),
-        "max_error": max_error,
-        "init_exact": bool(init_exact),
-        "errors": errors,
-        "atol": atol,
-        "error": "scaled by max(1, max |dense|)" if scaled else "absolute",
-    }
+    def run(self, mode):
+        """``(out, dx, {param: grad})`` of the parallel layer, differentiated alone in ``mode``."""
+        return _forward_backward(self.layer, self.x, self.cot, self.skip_bias_add, mode,
+                                 split_sizes=self.sizes)
+
+    def record(self, results, mode, keep_values=False) -> dict:
+        from mindscience.distributed import collectives
+
+        kind, group, sizes, scaled = self.kind, self.group, self.sizes, self.scaled
+        d_out, d_dx, d_g = self.dense_results
+        p_out, p_dx, p_g = results
+        layer, dense = self.layer, self.dense
+        weight_dim = 0 if kind == "column" else 1
+        errors = {"init weight": _err(layer.weight, _chunk(_np(dense.weight), group, weight_dim))}
+        if self.bias:
+            dense_bias = _np(dense.bias)
+            want_bias = _chunk(dense_bias, group, 0) if kind == "column" else dense_bias
+            errors["init bias"] = _err(layer.bias, want_bias)
+
+        if kind == "column":
+            want_out = _np(d_out) if self.gather_output else _chunk(_np(d_out), group, -1)
+            want_dx = _seq_chunk(_np(d_dx), group, sizes) if self.sequence_parallel else _np(d_dx)
+        else:
+            want_out = _seq_chunk(_np(d_out), group, sizes) if self.sequence_parallel else _np(d_out)
+            want_dx = _chunk(_np(d_dx), group, -1) if self.input_is_parallel else _np(d_dx)
+        errors["output"] = _err(p_out, want_out, scaled)
+        errors["grad input"] = _err(p_dx, want_dx, scaled)
+        errors["grad weight"] = _err(p_g["weight"], _chunk(_np(d_g["weight"]), group, weight_dim), scaled)
+        if self.bias:
+            if kind == "column":
+                errors["grad bias"] = _err(p_g["bias"], _chunk(_np(d_g["bias"]), group, 0), scaled)
+            elif self.sequence_parallel:
+                # Documented behaviour: each rank holds its sequence chunk's share of the
+                # bias gradient; the shares sum (over tp) to the dense gradient.
+                share = _seq_chunk(self.cot_full, group, sizes).reshape(-1, self.out_features).sum(axis=0)
+                errors["grad bias (this rank's share)"] = _err(p_g["bias"], share, scaled)
+                total = collectives.all_reduce(p_g["bias"], group)
+                errors["grad bias (sum over tp)"] = _err(total, d_g["bias"], scaled)
+            else:
+                errors["grad bias"] = _err(p_g["bias"], d_g["bias"], scaled)
+
+        max_error = max(errors.values())
+        init_exact = errors["init weight"] == 0.0 and errors.get("init bias", 0.0) == 0.0
+        extra = {}
+        if keep_values:
+            extra["_values"] = {"output": _np(p_out), "grad input": _np(p_dx),
+                                **{f"grad {k}": _np(v) for k, v in p_g.items()}}
+        return {
+            **extra,
+            "check": f"layers.{kind}",
+            "group": "tp",
+            "case": _case(tp=group.size, **self.flags),
+            "mode": mode,
+            "tp": group.size,
+            "compute_dtype": str(self.compute_dtype),
+            "split": "uneven" if sizes is not None else "even",
+            "split_sizes": sizes,
+            "passed": bool(init_exact and max_error <= self.atol),
+            "max_error": max_error,
+            "init_exact": bool(init_exact),
+            "errors": errors,
+            "atol": self.atol,
+            "error": "scaled by max(1, max |dense|)" if scaled else "absolute",
+        }
 
 
 @check("layers.column")
@@ -389,26 +470,34 @@ def modes(ctx: CheckContext, tp=None, cp=None, modes=("jit", "jit-construct", "g
     compiled and the PyNative output and gradients (float32: must be <= 1e-6).
 
     ``configs``: ``"representative"`` (:data:`MODE_CONFIGS`, 5) or ``"all"`` (the 20 of
-    ``layers.matrix``); each compiled configuration costs a graph compile (~1.5 s on 4
-    CPU ranks)."""
+    ``layers.matrix``). ``jit`` and ``graph`` differentiate every configuration in ONE
+    compiled graph (:func:`_forward_backward_many`); ``jit-construct`` compiles each
+    layer's construct on its own, as a user who decorates one layer does."""
     group = _ensure_parallel(ctx, tp, cp)
     if configs not in ("representative", "all"):
         raise ValueError(f"configs={configs!r} is invalid: expected 'representative' or 'all'")
-    records = []
-    for kind, flags in (MODE_CONFIGS if configs == "representative" else matrix_configs()):
+    chosen = MODE_CONFIGS if configs == "representative" else matrix_configs()
+    records, wants = [], []
+    for kind, flags in chosen:
         eager = compare_with_dense(kind, group, compute_dtype=compute_dtype, atol=atol,
                                    keep_values=True, **flags, **sizes)
-        want = eager.pop("_values")
+        wants.append(eager.pop("_values"))
         eager["check"] = f"layers.modes.{kind}"
         records.append(eager)
-        for mode in modes:
-            rec = compare_with_dense(kind, group, compute_dtype=compute_dtype, atol=atol,
-                                     mode=mode, keep_values=True, **flags, **sizes)
+    for mode in modes:
+        cases = [_LayerCase(kind, group, compute_dtype=compute_dtype, atol=atol, **flags, **sizes)
+                 for kind, flags in chosen]
+        if mode in ("jit", "graph"):
+            results = _forward_backward_many(cases, mode)
+        else:
+            results = [case.run(mode) for case in cases]
+        for case, result, want in zip(cases, results, wants):
+            rec = case.record(result, mode, keep_values=True)
             got = rec.pop("_values")
-            diff = max(_err(got[k], want[k]) for k in want)
-            rec["check"] = f"layers.modes.{kind}"
-            rec["pynative_diff"] = diff
-            rec["passed"] = bool(rec["passed"] and diff <= 1e-6)
+            rec["check"] = f"layers.modes.{case.kind}"
+            rec["pynative_diff"] = max(_err(got[k], want[k]) for k in want)
+            rec["compiled_with"] = len(cases) if mode in ("jit", "graph") else 1
+            rec["passed"] = bool(rec["passed"] and rec["pynative_diff"] <= 1e-6)
             records.append(rec)
     return records
 

@@ -203,26 +203,16 @@ def run_mappings(groups, dtypes=DTYPES, shapes=None, mappings=MAPPING_NAMES, see
                 for mode in modes:
                     case = _Case(name, fn, arg, key, G, r, dtype, mdt, shape, sizes, mode,
                                  xs[r], cs[r], want_out, want_grad)
-                    if _compiled_alone(mode, sizes):
+                    if mode == "pynative":  # nothing to compile: one at a time
                         records += _run_cases(C, ms, [case], group_api, backend, extra)
                     else:
                         pending.setdefault((mode, dtype), []).append(case)
-        # One compiled graph per (mode, dtype) and group: see modes.value_and_grad_many.
+        # One compiled graph per (mode, dtype) and group, even and uneven splits alike:
+        # see modes.value_and_grad_many.
         for cases in pending.values():
             records += _run_cases(C, ms, cases, group_api, backend, extra)
         pending.clear()
     return records
-
-
-def _compiled_alone(mode: str, sizes) -> bool:
-    """PyNative cases, and compiled ones on an uneven split, run one at a time.
-
-    On an uneven split each rank's graph has other shapes (and an empty shard other
-    ops), and the independent collectives of several cases in one graph were then
-    scheduled in a different order on different ranks (measured: a ring all-reduce of
-    40 bytes met one of 64, "Memcpy error"). Even cases give every rank the same graph.
-    """
-    return mode == "pynative" or sizes is not None
 
 
 class _Case:

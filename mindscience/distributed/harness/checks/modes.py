@@ -93,20 +93,54 @@ def _differentiate(fn, x, with_value, compile_grad=False):
     return (None, aux[0] if isinstance(aux, tuple) else aux), grad
 
 
-def _batch_of(losses):
-    """``batch(*xs) = (sum_i loss_i(x_i), (value_i...), (aux_i...))``, one compiled graph.
+class _After(nn.Cell):
+    """``construct(x, prev, zero) = x``, run after ``prev``; in the backward, ``prev``'s
+    gradient is computed from ``x``'s, so it waits for it.
 
-    Each ``x_i`` reaches only its own ``loss_i``, so the gradient with respect to ``x_i``
-    of the sum is exactly ``loss_i``'s gradient.
+    Chains the cases of one compiled graph into a fixed order: ``prev`` is the previous
+    case's loss (a float32 scalar computed from its mapping's output), so the order is
+    forward 0, 1, ..., n-1, then backward n-1, ..., 0. Without it the cases'
+    collectives are independent, and on an uneven split (other shapes per rank, an
+    empty shard's other ops) ranks ran them in different orders, so that different
+    collectives met (measured: a 40-byte ring all-reduce paired with a 64-byte one,
+    "Memcpy error"). The link is arithmetic, ``zero * sum(dx)`` with ``zero`` a graph
+    input (a runtime 0, which no pass can fold), not a ``depend`` on a zero gradient,
+    which the optimizer may prune with the zero; the loss is float32, so the sum this adds
+    has a CPU kernel (AddN has none for bfloat16, measured). The values stay exact:
+    ``x`` passes unchanged and the previous loss's gradient becomes ``1 + 0``.
+    """
+
+    def construct(self, x, prev, zero):
+        return ops.depend(x, prev)
+
+    def bprop(self, x, prev, zero, out, dout):
+        # One extra zero element before the sum: the CPU sum of an EMPTY tensor (a
+        # zero-row shard's gradient) is not 0 (measured, see the mapping checks' loss).
+        flat = ops.cat((dout.astype(ms.float32).reshape((-1,)), ops.zeros((1,), ms.float32)))
+        return dout, (flat.sum() * zero).astype(prev.dtype), ops.zeros_like(zero)
+
+
+def _batch_of(losses):
+    """``batch(*xs, zero) = (sum_i loss_i(x_i), (value_i...), (aux_i...))``, one graph.
+
+    Each ``x_i`` reaches only its own ``loss_i`` (case i starts after case i-1's loss
+    through :class:`_After`, which adds exact zeros), so the gradient with respect to
+    ``x_i`` of the sum is exactly ``loss_i``'s gradient. ``zero`` is a 0 passed at run
+    time (see :class:`_After`).
     """
     n = len(losses)
+    after = _After()
 
-    def batch(*xs):
+    def batch(*args):
+        xs, zero = args[:n], args[n]
         total = ops.zeros((), ms.float32)
         values = ()
         auxs = ()
         for i in range(n):
-            value, aux = losses[i](xs[i])
+            x = xs[i]
+            if i > 0:
+                x = after(x, values[i - 1], zero)
+            value, aux = losses[i](x)
             total = total + value.astype(ms.float32)
             values = values + (value,)
             auxs = auxs + (aux,)
@@ -121,8 +155,9 @@ def value_and_grad_many(mode: str, losses, xs, with_value: bool = True) -> list:
     Each compilation costs ~1-2 s on CPU ranks whatever its size, so a battery of N
     small cases compiled one by one pays N compilations; compiled together it pays one,
     and the graph holds N mappings as a real train step does. PyNative runs the cases
-    one by one (nothing to compile). The collectives of every case run on every rank in
-    the same graph, so callers must give every rank the same cases in the same order.
+    one by one (nothing to compile). The cases run in their order (see :class:`_After`),
+    so callers must give every rank the same cases in the same order; their shapes may
+    differ between ranks (an uneven split).
 
     Returns:
         One ``((value, aux), grad)`` per loss, as :func:`value_and_grad` returns them.
@@ -153,9 +188,10 @@ def _differentiate_many(fn, xs, positions, with_value, compile_grad):
     if compile_grad:
         _COMPILED_KEEP_ALIVE.append(grad_fn)
         grad_fn = ms.jit(grad_fn)
+    zero = ms.Tensor(0.0, ms.float32)  # see _After: a runtime zero, not a constant
     if with_value:
-        (_, values, auxs), grads = grad_fn(*xs)
+        (_, values, auxs), grads = grad_fn(*xs, zero)
     else:
-        grads, (values, auxs) = grad_fn(*xs)
+        grads, (values, auxs) = grad_fn(*xs, zero)
         values = (None,) * len(xs)
     return [((value, aux), grad) for value, aux, grad in zip(values, auxs, grads)]
