@@ -338,20 +338,24 @@ def test_crashing_rank_is_named_and_the_job_stops_at_once(tmp_path, assert_no_le
     assert_no_leftovers(result)
 
 
+# Rank 0 finishes in 10-20 s on two cores: 30 s leaves it room and still stops the hang.
+HANG_TIMEOUT_S = 30
+
+
 @pytest.mark.multiprocess
 def test_hanging_rank_is_stopped_at_the_timeout(tmp_path, assert_no_leftovers):
     spec = {"checks": ["basic.ping", {"name": "fault.hang", "params": {"ranks": [1], "seconds": 600}}]}
-    result = launch(spec, 2, timeout=40, log_dir=str(tmp_path))
+    result = launch(spec, 2, timeout=HANG_TIMEOUT_S, log_dir=str(tmp_path))
     assert result.timed_out and not result.ok
-    assert 40 <= result.duration_s < 55
+    assert HANG_TIMEOUT_S <= result.duration_s < HANG_TIMEOUT_S + 15
     by_rank = {f["rank"]: f for f in result.failures}
     failure = by_rank[1]
     assert failure["kind"] == "timeout"
     # Rank 0 finishes in 10-20 s; only on a badly overloaded machine may it still be
-    # starting at 40 s, and then it must be reported as well.
+    # starting at the timeout, and then it must be reported as well.
     assert result.ranks[0]["status"] == "done" or by_rank[0]["kind"] == "timeout"
     assert set(by_rank) <= {0, 1}
-    assert "'fault.hang'" in failure["reason"] and "40 s timeout" in failure["reason"]
+    assert "'fault.hang'" in failure["reason"] and f"{HANG_TIMEOUT_S} s timeout" in failure["reason"]
     # Before killing it, the launcher had the rank dump its Python stack into its log.
     assert "in hang" in failure["log_tail"]
     assert_no_leftovers(result)
