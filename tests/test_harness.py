@@ -68,6 +68,23 @@ def test_build_msrun_command_rejects_bad_sizes(kwargs, message):
         build_msrun_command(spec_path="s", out_dir="o", log_dir="l", master_port=1, **kwargs)
 
 
+def test_child_env_speeds_up_one_machine_and_leaves_clusters_alone(monkeypatch):
+    for key in ("MS_RETRY_INTERVAL_LOWER", "MS_RETRY_INTERVAL_UPPER", launcher.RANKS_HERE_ENV):
+        monkeypatch.delenv(key, raising=False)
+    here = launcher._child_env("job-1", None, None, 4, single_machine=True)
+    assert (here["MS_RETRY_INTERVAL_LOWER"], here["MS_RETRY_INTERVAL_UPPER"]) == ("0", "1")
+    assert here[launcher.RANKS_HERE_ENV] == "4" and here[launcher.JOB_ENV] == "job-1"
+    # One node of a cluster keeps MindSpore's own retry spread.
+    node = launcher._child_env("job-1", None, None, 4)
+    assert "MS_RETRY_INTERVAL_LOWER" not in node and "MS_RETRY_INTERVAL_UPPER" not in node
+    # The caller's env and the launcher's own environment win over the defaults.
+    mine = launcher._child_env("job-1", {"MS_RETRY_INTERVAL_UPPER": 7, launcher.RANKS_HERE_ENV: 2},
+                               None, 4, single_machine=True)
+    assert mine["MS_RETRY_INTERVAL_UPPER"] == "7" and mine[launcher.RANKS_HERE_ENV] == "2"
+    monkeypatch.setenv("MS_RETRY_INTERVAL_LOWER", "3")
+    assert launcher._child_env("job-1", None, None, 4, single_machine=True)["MS_RETRY_INTERVAL_LOWER"] == "3"
+
+
 def test_normalize_spec_expands_names_and_rejects_junk():
     spec = normalize_spec({"checks": ["basic.ping", {"name": "basic.allreduce", "params": {"size": 3}}],
                            "layout": {"tp": 2}})

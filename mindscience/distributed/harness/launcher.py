@@ -304,7 +304,9 @@ def launch(
     msrun_log = os.path.join(run_dir, "msrun.log")
 
     def start(launchers, helpers):
-        launchers.append(_popen(command, _child_env(job_id, env, python, local), msrun_log))
+        child_env = _child_env(job_id, env, python, local,
+                               single_machine=local == world_size and starts_scheduler)
+        launchers.append(_popen(command, child_env, msrun_log))
 
     first = node_rank * local
     fields = _run_job(
@@ -395,7 +397,7 @@ def launch_local_multinode(
             log_path=os.path.join(run_dir, "scheduler.log"), spec_path=spec_path,
             out_dir=out_dir, env=env, python=python, job_id=job_id,
         ))
-        child_env = _child_env(job_id, env, python, world_size)
+        child_env = _child_env(job_id, env, python, world_size, single_machine=True)
         for command, log in zip(commands, msrun_logs):
             launchers.append(_popen(command, child_env, log))
 

@@ -37,6 +37,12 @@ RANKS_HERE_ENV = "MSDIST_RANKS_HERE"
 # Those ``tail -f`` processes duplicate the logs and never end on their own, so name a
 # rank that does not exist (msrun then logs one warning per worker).
 NO_TAIL = "-2"
+# MindSpore's workers retry reaching the scheduler every 3-5 s (a random pick); on one
+# machine the scheduler listens a moment after their first try, so most of a launch's
+# init() was that wait. 0-1 s took a 4-rank ping job from 20-21 s to 13 s (measured).
+# Only where the whole job runs here: on a cluster the wider spread spares the scheduler a
+# burst of connections from every node. The environment (or ``env``) overrides both.
+SINGLE_MACHINE_ENV = {"MS_RETRY_INTERVAL_LOWER": "0", "MS_RETRY_INTERVAL_UPPER": "1"}
 # Ports at or above the kernel's ephemeral range can be handed to an outgoing
 # connection at any moment (the ranks' own connections to the scheduler, for one).
 _PORT_RANGE = (20000, 32000)
@@ -215,10 +221,13 @@ def _prepend(paths: str, first: str) -> str:
 
 
 def _child_env(job_id: str, env: Optional[Mapping], python: Optional[str],
-               ranks_here: int = 1) -> dict:
+               ranks_here: int = 1, single_machine: bool = False) -> dict:
     child = dict(os.environ)
     # How many ranks share this machine's cores (the worker sizes its CPU thread pool).
     child[RANKS_HERE_ENV] = str(ranks_here)
+    if single_machine:
+        for key, value in SINGLE_MACHINE_ENV.items():
+            child.setdefault(key, value)
     child.update({k: str(v) for k, v in (env or {}).items()})
     # msrun starts the ranks as plain `python`, looked up on PATH: make it this one.
     child["PATH"] = _prepend(child.get("PATH", ""), os.path.dirname(python or sys.executable))
