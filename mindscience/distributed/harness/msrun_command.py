@@ -31,7 +31,7 @@ WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker
 # source checkout works without ``pip install -e``.
 _PACKAGE_ROOT = os.path.abspath(os.path.join(os.path.dirname(WORKER_SCRIPT), "..", "..", ".."))
 
-# Ranks started on this machine; the worker reads it under the same name (worker.py).
+# Ranks started on this machine (the worker sizes its CPU thread pool by it).
 RANKS_HERE_ENV = "MSDIST_RANKS_HERE"
 # msrun tails every worker log to its stdout unless --tail_worker_log names other ranks.
 # Those ``tail -f`` processes duplicate the logs and never end on their own, so name a

@@ -198,7 +198,9 @@ def _limit_cpu_threads(ms):
     """
     if ms.get_context("device_target") != "CPU":
         return None
-    ranks_here = max(1, int(os.environ.get("MSDIST_RANKS_HERE") or 1))
+    from mindscience.distributed.harness.msrun_command import RANKS_HERE_ENV
+
+    ranks_here = max(1, int(os.environ.get(RANKS_HERE_ENV) or 1))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = int(os.environ.get("MSDIST_CPU_THREADS") or max(1, (cores or 1) // ranks_here))
     ms.device_context.cpu.op_tuning.threads_num(threads)

@@ -198,40 +198,21 @@ def _forward_backward_many(cases, mode):
     """``[(out, dx, {param name: grad})]`` of several :class:`_LayerCase` layers, as ONE graph.
 
     ``mode`` "jit" or "graph". The loss is the sum of the cases' losses, chained in order
-    as the mapping battery's are (:func:`.modes._batch_of`), so each layer's gradients
-    are exactly its own; one compile instead of one per configuration (each costs
-    ~1.5 s on 4 CPU ranks).
+    as the mapping battery's are (:func:`.modes.differentiate_batch`), so each layer's
+    gradients are exactly its own; one compile instead of one per configuration (each
+    costs ~1.5 s on 4 CPU ranks).
     """
-    import mindspore as ms
+    from .modes import _COMPILED_KEEP_ALIVE, differentiate_batch
 
-    from .modes import _COMPILED_KEEP_ALIVE, _BatchCell, _batch_of
-
-    if mode not in ("jit", "graph"):
-        raise ValueError(f"mode {mode!r} is invalid here: expected 'jit' or 'graph'")
     losses = [_make_layer_loss(c.layer, c.cot, c.skip_bias_add, c.sizes) for c in cases]
     per_case = [c.layer.trainable_params() for c in cases]
     for i, ps in enumerate(per_case):
         for p in ps:
             # One graph rejects two parameters of one name; every layer has a "weight".
             p.name = f"case{i}.{p.name}"
-    params = [p for ps in per_case for p in ps]
-    positions = tuple(range(len(cases)))
-    args = [c.x for c in cases] + [ms.Tensor(0.0, ms.float32)]  # the runtime zero of _batch_of
-    batch = _batch_of(losses)
-    _COMPILED_KEEP_ALIVE.extend([batch] + [c.layer for c in cases])
-    if mode == "graph":
-        ms.set_context(mode=ms.GRAPH_MODE)
-        try:
-            cell = _BatchCell(batch)
-            _COMPILED_KEEP_ALIVE.append(cell)
-            grad_fn = ms.value_and_grad(cell, grad_position=positions, weights=params, has_aux=True)
-            (_, _, outs), (dxs, grads) = grad_fn(*args)
-        finally:
-            ms.set_context(mode=ms.PYNATIVE_MODE)
-    else:
-        grad_fn = ms.value_and_grad(batch, grad_position=positions, weights=params, has_aux=True)
-        _COMPILED_KEEP_ALIVE.append(grad_fn)
-        (_, _, outs), (dxs, grads) = ms.jit(grad_fn)(*args)
+    _COMPILED_KEEP_ALIVE.extend(c.layer for c in cases)
+    _, outs, dxs, grads = differentiate_batch(mode, losses, [c.x for c in cases],
+                                              weights=[p for ps in per_case for p in ps])
     results, start = [], 0
     for out, dx, ps in zip(outs, dxs, per_case):
         gs = grads[start:start + len(ps)]

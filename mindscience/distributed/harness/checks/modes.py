@@ -37,26 +37,15 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-class _BatchCell(nn.Cell):
-    """``construct(*xs) = batch(*xs)``: several losses differentiated as one GRAPH_MODE graph."""
-
-    def __init__(self, batch):
-        super().__init__()
-        self.batch = batch
-
-    def construct(self, *xs):
-        return self.batch(*xs)
-
-
 class _LossCell(nn.Cell):
-    """``construct(x) = loss(x)``: how GRAPH_MODE differentiates a function."""
+    """``construct(*xs) = loss(*xs)``: how GRAPH_MODE differentiates a function."""
 
     def __init__(self, loss):
         super().__init__()
         self.loss = loss
 
-    def construct(self, x):
-        return self.loss(x)
+    def construct(self, *xs):
+        return self.loss(*xs)
 
 
 def value_and_grad(mode: str, loss, x, with_value: bool = True):
@@ -158,10 +147,8 @@ def value_and_grad_many(mode: str, losses, xs, with_value: bool = True) -> list:
     Each compilation has a fixed cost on top of its per-op cost, so a battery of N
     small cases compiled one by one pays it N times; compiled together it pays it once
     (measured: 10 mappings fwd+bwd on 2 ranks, 25-35 % less time), and the graph holds
-    N mappings as a real train step does. PyNative runs the cases
-    one by one (nothing to compile). The cases run in their order (see :class:`_After`),
-    so callers must give every rank the same cases in the same order; their shapes may
-    differ between ranks (an uneven split).
+    N mappings as a real train step does. PyNative runs the cases one by one (nothing
+    to compile). See :func:`differentiate_batch` for the order the cases run in.
 
     Returns:
         One ``((value, aux), grad)`` per loss, as :func:`value_and_grad` returns them.
@@ -170,32 +157,46 @@ def value_and_grad_many(mode: str, losses, xs, with_value: bool = True) -> list:
     losses, xs = tuple(losses), tuple(xs)
     if mode == "pynative" or len(losses) == 1:
         return [value_and_grad(mode, loss, x, with_value) for loss, x in zip(losses, xs)]
-    batch = _batch_of(losses)
-    positions = tuple(range(len(xs)))
+    values, auxs, grads, _ = differentiate_batch(mode, losses, xs, with_value=with_value)
+    return [((value, aux), grad) for value, aux, grad in zip(values, auxs, grads)]
+
+
+def differentiate_batch(mode: str, losses, xs, weights=None, with_value: bool = True):
+    """Differentiate ``loss_i(x_i) -> (value_i, aux_i)`` for every i as ONE compiled graph.
+
+    ``mode`` is "jit" (the grad function under ``ms.jit``) or "graph" (GRAPH_MODE). The
+    cases run in their order (see :class:`_After`), so callers must give every rank the
+    same cases in the same order; their shapes may differ between ranks (an uneven
+    split). ``weights`` (Parameters) are differentiated as well.
+
+    Returns:
+        ``(values, auxs, input_grads, weight_grads)``: tuples over the cases (``values``
+        all None when ``with_value`` is False), and the weights' gradients in the order
+        of ``weights`` (None without weights).
+    """
+    if mode not in ("jit", "graph"):
+        raise ValueError(f"mode {mode!r} is invalid here: expected 'jit' or 'graph'")
+    batch = _batch_of(tuple(losses))
+    _COMPILED_KEEP_ALIVE.append(batch)
+    differentiate = ms.value_and_grad if with_value else ms.grad
+    options = dict(grad_position=tuple(range(len(xs))), weights=weights, has_aux=True)
+    args = tuple(xs) + (ms.Tensor(0.0, ms.float32),)  # see _After: a runtime zero
     if mode == "graph":
         ms.set_context(mode=ms.GRAPH_MODE)
         try:
-            fn = _BatchCell(batch)
-            _COMPILED_KEEP_ALIVE.append(fn)
-            return _differentiate_many(fn, xs, positions, with_value, compile_grad=False)
+            cell = _LossCell(batch)
+            _COMPILED_KEEP_ALIVE.append(cell)
+            result = differentiate(cell, **options)(*args)
         finally:
             ms.set_context(mode=ms.PYNATIVE_MODE)
-    _COMPILED_KEEP_ALIVE.append(batch)
-    return _differentiate_many(batch, xs, positions, with_value, compile_grad=True)
-
-
-def _differentiate_many(fn, xs, positions, with_value, compile_grad):
-    if with_value:
-        grad_fn = ms.value_and_grad(fn, grad_position=positions, has_aux=True)
     else:
-        grad_fn = ms.grad(fn, grad_position=positions, has_aux=True)
-    if compile_grad:
+        grad_fn = differentiate(batch, **options)
         _COMPILED_KEEP_ALIVE.append(grad_fn)
-        grad_fn = ms.jit(grad_fn)
-    zero = ms.Tensor(0.0, ms.float32)  # see _After: a runtime zero, not a constant
+        result = ms.jit(grad_fn)(*args)
     if with_value:
-        (_, values, auxs), grads = grad_fn(*xs, zero)
+        (_, values, auxs), grads = result
     else:
-        grads, (values, auxs) = grad_fn(*xs, zero)
+        grads, (values, auxs) = result
         values = (None,) * len(xs)
-    return [((value, aux), grad) for value, aux, grad in zip(values, auxs, grads)]
+    input_grads, weight_grads = grads if weights is not None else (grads, None)
+    return values, auxs, input_grads, weight_grads
