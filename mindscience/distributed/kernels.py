@@ -237,10 +237,10 @@ class _Kernels(nn.Cell):
 class EagerComposed(_Kernels):
     """CPU, PyNative: ``mint.distributed`` all-reduce and list all-gather.
 
-    Uneven shards are trimmed by one row ``Gather`` with a cached index instead of a
-    slice per shard and a ``cat``: on 4 ranks on 2 cores, slicing the gathered
-    (257, 4096) float32 pieces and concatenating them took ~100 ms, a ``cat`` of the
-    padded pieces plus one ``Gather`` ~25 ms (bench/bench_modes.py, section u).
+    Uneven shards are trimmed by a ``cat`` of the padded pieces and one row ``Gather``
+    with a cached index, not by a slice per piece and a ``cat``. Measured on 4 ranks on
+    2 cores, 16 MiB gathered from (257, 4096) float32 pieces: 331-340 ms against
+    410-433 ms for the slices, 301-308 ms for the even gather (docs/BENCHMARKS.md).
     """
 
     # The CPU Gather kernel has no bfloat16; the rows move as int16 bits (exact).
