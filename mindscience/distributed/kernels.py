@@ -245,6 +245,7 @@ class EagerComposed(_Kernels):
 
     # The CPU Gather kernel has no bfloat16; the rows move as int16 bits (exact).
     _GATHER_AS = {mstype.bfloat16: mstype.int16}
+    _ROW_INDEX_CACHE = 64
 
     def __init__(self, group_name: str, size: int, rank: int):
         super().__init__(group_name, size, rank)
@@ -257,10 +258,12 @@ class EagerComposed(_Kernels):
         key = (tuple(sizes), m)
         index = self._row_index.get(key)
         if index is None:
-            rows = []
-            for i in range(self.size):
-                rows.extend(range(i * m, i * m + sizes[i]))
-            index = Tensor(np.asarray(rows, np.int32))
+            # Bounded: a model whose sequence length changes every step would otherwise
+            # keep one index per length seen.
+            if len(self._row_index) >= self._ROW_INDEX_CACHE:
+                self._row_index.pop(next(iter(self._row_index)))
+            index = Tensor(np.concatenate(
+                [np.arange(i * m, i * m + sizes[i], dtype=np.int32) for i in range(self.size)]))
             self._row_index[key] = index
         as_dtype = self._GATHER_AS.get(y.dtype)
         if as_dtype is None:
