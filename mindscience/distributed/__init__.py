@@ -10,7 +10,7 @@ MindSpore in: ``msdist plan`` starts in a fraction of a second.
 import importlib
 
 _SUBMODULES = ("topology", "group", "manager", "collectives", "mappings", "modules", "finalize",
-               "harness")
+               "harness", "sharding")
 
 # Names re-exported at the package level (upstream exports initialize_parallel here),
 # each loaded from its module on first access.
@@ -23,6 +23,8 @@ _EXPORTS = {
     "initialize_affine_weight": "modules",
     "GradientFinalizer": "finalize",
     "finalize_gradients": "finalize",
+    "mark_sharding": "sharding",
+    "get_sharding": "sharding",
 }
 
 __all__ = list(_SUBMODULES) + list(_EXPORTS)

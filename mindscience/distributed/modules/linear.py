@@ -59,6 +59,7 @@ from mindspore import nn, ops
 from .. import mappings
 from ..collectives import resolve_group
 from ..group import ParallelGroup
+from ..sharding import mark_sharding
 from .init import InitMethod, default_bias_init, default_weight_init, initialize_affine_weight
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -137,6 +138,11 @@ class _ParallelLinear(nn.Cell):
                 default_bias_init(in_features) if bias_init is None else bias_init,
                 param_init_dtype, tp_rank=self.tp_rank, name="bias",
             )
+        # Checkpoints read these marks to know which slice of W (and b) this rank holds.
+        mark_sharding(self.weight, axis="tp", partition_dim=split_dim)
+        if self.bias is not None:
+            mark_sharding(self.bias, axis="tp" if split_dim == 0 else None,
+                          partition_dim=0 if split_dim == 0 else None)
 
     def _local_linear(self, x, bias):
         """``x @ self.weight.T (+ bias)`` in compute_dtype; the result has ``x``'s dtype."""
