@@ -115,14 +115,15 @@ def test_large_world_is_summarized_unless_all():
     assert "[60, 61, 62, 63]" in full.stdout
 
 
-def test_svg_export(tmp_path):
+def test_svg_table_export(tmp_path):
+    # The terminal tables as SVG moved from --svg (now the device grid, tests/test_pictures.py).
     target = tmp_path / "plan.svg"
-    result = invoke("plan", "--svg", str(target))
+    result = invoke("plan", "--svg-table", str(target))
     assert result.exit_code == 0
     svg = target.read_text()
     assert svg.startswith("<svg") and "msdist" in svg and "cpu-4" in svg
     target2 = tmp_path / "rank.svg"
-    result = invoke("plan", "--rank", "2", "--format", "json", "--svg", str(target2))
+    result = invoke("plan", "--rank", "2", "--format", "json", "--svg-table", str(target2))
     assert result.exit_code == 0
     assert json.loads(result.stdout)["rank"] == 2  # stdout stays pure JSON
     assert target2.read_text().startswith("<svg")
@@ -195,6 +196,8 @@ def test_missing_file():
         (["--format", "yaml"], "--format 'yaml' is invalid"),
         (["--hccl-buffsize", "0"], "--hccl-buffsize 0"),
         (["--svg", "/no/such/dir/x.svg"], "does not exist"),
+        (["--svg-table", "/no/such/dir/x.svg"], "does not exist"),
+        (["--png", "/no/such/dir/x.png"], "does not exist"),
     ],
 )
 def test_option_errors(args, fragment):

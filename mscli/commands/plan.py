@@ -9,7 +9,7 @@ import typer
 
 from mindscience.distributed.topology.plan import DEFAULT_HCCL_BUFFSIZE_MB, build_plan, rank_plan
 
-from .. import render, render_cost
+from .. import pictures, render, render_cost
 from ..errors import UsageError, check_format, check_output_folder, user_errors
 from ..layouts import load_with_sections, resolve_model
 
@@ -49,6 +49,26 @@ def hccl_buffsize(value: Optional[int]) -> int:
     return DEFAULT_HCCL_BUFFSIZE_MB
 
 
+def _picture(data, spec, extra, buffsize, rank, svg, png, color_by):
+    """What ``--svg`` / ``--png`` draw (checked before anything is printed), or None.
+
+    With ``--rank`` the whole world is drawn, that rank outlined.
+    """
+    outputs = [(path, fmt) for path, fmt in ((svg, "svg"), (png, "png")) if path]
+    if not outputs:
+        if color_by is not None:
+            raise UsageError(f"--color-by {color_by} colours a picture: add --svg FILE or --png FILE.")
+        return None
+    for path, fmt in outputs:
+        check_output_folder(f"--{fmt}", path)
+    pictures.require(f"--{outputs[0][1]}")
+    whole = data
+    if rank is not None:
+        whole = build_plan(spec, extra, buffsize)
+        whole.update({k: data[k] for k in ("model", "memory", "communication", "time", "schedule") if k in data})
+    return whole, outputs, pictures.color_axis(whole, color_by), rank
+
+
 def plan(
     layout: Optional[str] = typer.Argument(
         None, help="Layout YAML file or bundled layout name (default: the 4-rank CPU layout)."
@@ -59,7 +79,15 @@ def plan(
         None, "--groups", "-g", help="Extra axis combinations, comma-separated, e.g. tp-cp,tp-dp-cp."
     ),
     show_all: bool = typer.Option(False, "--all", help="Print every rank and group, even for large worlds."),
-    svg: Optional[str] = typer.Option(None, "--svg", help="Also save the human view as an SVG picture."),
+    svg: Optional[str] = typer.Option(
+        None, "--svg", help="Also draw the device grid (and memory per stage, the schedule) as an SVG picture."
+    ),
+    png: Optional[str] = typer.Option(None, "--png", help="The same picture as --svg, as PNG."),
+    color_by: Optional[str] = typer.Option(
+        None, "--color-by", help="Colour the grid's devices by their group on tp, cp, dp or pp "
+        "(default: the innermost axis larger than 1)."
+    ),
+    svg_table: Optional[str] = typer.Option(None, "--svg-table", help="Also save the terminal tables as SVG."),
     hccl_buffsize_mb: Optional[int] = typer.Option(
         None, "--hccl-buffsize", help="HCCL_BUFFSIZE in MB for the memory estimate (default: env or 200)."
     ),
@@ -86,14 +114,18 @@ def plan(
             from mindscience.distributed.costmodel import estimate
 
             data.update(estimate(spec, workload, buffsize))
-        if svg:
-            check_output_folder("--svg", svg)
-    # With --format json the SVG still shows the human view; only stdout changes.
+        if svg_table:
+            check_output_folder("--svg-table", svg_table)
+        picture = _picture(data, spec, extra, buffsize, rank, svg, png, color_by)
+    # With --format json the pictures still show the human view; only stdout changes.
     echo = fmt == "rich"
-    tables = render_cost.cost_view(data, show_all) if (echo or svg) else []
+    tables = render_cost.cost_view(data, show_all) if (echo or svg_table) else []
     if rank is not None:
-        render.render_rank(data, svg, echo=echo, extra=tables)
+        render.render_rank(data, svg_table, echo=echo, extra=tables)
     else:
-        render.render_plan(data, str(path), show_all, svg, echo=echo, extra=tables)
+        render.render_plan(data, str(path), show_all, svg_table, echo=echo, extra=tables)
+    if picture:
+        with user_errors():
+            pictures.save_plan(*picture)
     if not echo:
         render.print_json(data)

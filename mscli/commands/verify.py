@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .. import render
+from .. import pictures, render
 from ..errors import EXIT_FAILED, UsageError, user_errors
 from ..layouts import load
 from .. import verify_report as vr
@@ -181,6 +181,8 @@ def verify(
     timeout: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", help="Stop every rank after this many seconds."),
     fmt: str = typer.Option("rich", "--format", help="rich (tables) or json (stdout holds only JSON)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Also write the JSON report to this file."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Also draw bus bandwidth vs message size to FILE.svg or FILE.png (matplotlib: the plots extra)."),
+    from_report: Optional[str] = typer.Option(None, "--from-report", help="Show (and --plot) a JSON report saved with --output instead of launching ranks."),
     local: bool = typer.Option(False, "--local", help="Run every rank on this machine's CPU, whatever the layout's backend."),
     nodes: Optional[int] = typer.Option(None, "--nodes", help="Number of nodes of a cluster run."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's index (0 gathers and prints the report)."),
@@ -199,21 +201,24 @@ def verify(
             raise UsageError(f"--timeout {timeout} is invalid: expected a positive number of seconds.")
         if output and not os.path.isdir(os.path.dirname(os.path.abspath(output))):
             raise UsageError(f"--output {output}: its folder does not exist. Create it or pick another path.")
+        if plot:
+            pictures.check_plot(plot)
+        saved = pictures.load_report(from_report) if from_report else None
         spec_layout, _ = load(layout)
         kinds = vr.parse_checks(checks)
         sizes = [QUICK_SIZE] if quick else vr.size_sweep(vr.parse_bytes(min_bytes), vr.parse_bytes(max_bytes), factor)
         modes = vr.parse_modes(mode)
         spec = vr.build_spec(spec_layout, kinds, sizes, iters, warmup, dtype, parse_fault(inject_fault),
                              modes=modes)
-        plan = _plan_launch(spec_layout, nodes, node_rank, master_addr, master_port, local, loopback_nodes)
+        plan = None if saved else _plan_launch(spec_layout, nodes, node_rank, master_addr, master_port, local, loopback_nodes)
         if master_port is not None and not 1 <= master_port <= 65535:
             raise UsageError(f"--master-port {master_port} is invalid: expected 1..65535.")
         run_dir = os.path.abspath(log_dir or os.path.join("msdist_logs", "verify"))
-        if dry_run:
+        if dry_run and not saved:
             for line in _dry_run(spec_layout, nodes or loopback_nodes, master_addr, master_port, plan, run_dir):
                 typer.echo(line)
             return
-    report = _run(spec, spec_layout, plan, fmt, timeout, local, nodes, node_rank, master_addr, master_port,
+    report = saved or _run(spec, spec_layout, plan, fmt, timeout, local, nodes, node_rank, master_addr, master_port,
                   loopback_nodes, log_dir, min_busbw)
     if report is None:  # a non-zero node of a cluster: node 0 reports
         return
@@ -226,6 +231,9 @@ def verify(
         render.print_json(report)
     else:
         render.render_verify(report)
+    if plot:
+        with user_errors():
+            pictures.save_bandwidth(report, plot)
     if not report["ok"]:
         raise typer.Exit(EXIT_FAILED)
 
