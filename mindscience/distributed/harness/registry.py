@@ -27,6 +27,7 @@ CHECK_MODULES = (
     "mindscience.distributed.harness.checks.examples",
     "mindscience.distributed.harness.checks.training",
     "mindscience.distributed.harness.checks.bandwidth",
+    "mindscience.distributed.harness.checks.p2p",
 )
 
 _CHECKS: dict[str, Callable] = {}
