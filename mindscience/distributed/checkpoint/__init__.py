@@ -1,0 +1,43 @@
+"""Sharded checkpoints that survive a layout change.
+
+    from mindscience.distributed import checkpoint
+    checkpoint.save(train_state, "ckpt/step_100", step=100)     # every rank, at tp2 x dp2
+    ...
+    checkpoint.load(train_state, "ckpt/step_100")               # every rank, at tp4 (or tp1 x dp4)
+
+* :func:`save` / :func:`load` (:mod:`.cell`, the only MindSpore part): each rank writes
+  what it owns as safetensors plus a manifest; ``load`` reads, through memory maps, only
+  the slices the current layout gives this rank.
+* Parameters are matched by GLOBAL name (their path in ``cell.parameters_and_names()``),
+  and split as their sharding marks say (:mod:`mindscience.distributed.sharding`).
+  Pipeline stages name their layers by global index: :func:`set_global_layer_names`.
+* Optimizer state: pass a cell holding the optimizer too (``nn.CellList([net, opt])``);
+  its moments are saved and resharded like the parameters they belong to, its step
+  counters and learning rate as replicated tensors.
+* Offline (no MindSpore, used by ``msdist checkpoint``): :mod:`.offline` ``inspect``,
+  ``reshard``, ``merge``; :mod:`.manifest` (the format), :mod:`.plan` (who holds which
+  slice), :mod:`.files` (safetensors byte ranges, checksums), :mod:`.writer`.
+
+Importing this package does not import MindSpore; ``save``/``load`` load it on first use.
+"""
+
+import importlib
+
+from .errors import CheckpointError, CheckpointIntegrityError
+from .manifest import FORMAT_VERSION
+
+_LAZY = {"save": "cell", "load": "cell", "set_global_layer_names": "cell",
+         "named_parameters": "cell", "inspect": "offline", "reshard": "offline", "merge": "offline"}
+
+__all__ = ["save", "load", "set_global_layer_names", "named_parameters", "inspect", "reshard",
+           "merge", "CheckpointError", "CheckpointIntegrityError", "FORMAT_VERSION"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

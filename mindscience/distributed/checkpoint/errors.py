@@ -1,0 +1,11 @@
+"""Checkpoint errors (no MindSpore import)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved, loaded or converted as asked (the message says why
+    and how to fix it). Nothing was modified."""
+
+
+class CheckpointIntegrityError(CheckpointError):
+    """The checkpoint on disk is incomplete or corrupt: a missing or truncated file, a
+    checksum mismatch, elements covered twice or not at all, copies that disagree."""

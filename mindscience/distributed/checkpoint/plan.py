@@ -1,0 +1,125 @@
+"""Which slice of each parameter a rank holds and writes, for any layout (pure arithmetic).
+
+A parameter of global shape ``S`` with sharding ``{"axis": "tp", "partition_dim": d,
+"partition_stride": s}`` is held by tp rank ``r`` as the concatenation along ``d`` of the
+global ranges :func:`~mindscience.distributed.sharding.local_slices` gives. A *piece* is
+that as data: ``{"dim": d, "ranges": [[g0, g1, l0], ...]}`` (global ``[g0, g1)`` along
+``d`` is local ``[l0, l0 + g1 - g0)``; every other dim whole), or ``{"dim": None}`` for a
+whole (replicated) tensor.
+
+Writers: a rank writes a parameter when its coordinates on every axis that does NOT
+split the parameter (except pp, whose stages hold different parameters) are 0, so each
+element is written once per pipeline stage holding it. Example, tp2 x dp2 (order
+tp-cp-dp-pp): ranks 0 and 1 (dp 0) write their tp shards of a column weight, rank 0
+alone writes a replicated LayerNorm weight, ranks 2 and 3 write nothing.
+
+Pipeline stages of a new layout (offline reshard with another pp): parameters named
+``layers.<i>.`` anywhere in their global name go to stage ``i * pp // L`` (``L`` the
+number of layer indices), the others keep their first/last-stage role.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..sharding import local_slices
+from ..topology.layout import Layout
+from .errors import CheckpointError
+
+__all__ = ["layout_from_dict", "piece_for", "local_shape", "writes", "stage_for", "LAYER_RE"]
+
+LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
+
+
+def layout_from_dict(data: dict) -> Layout:
+    keys = ("world_size", "tp", "cp", "dp", "pp", "order")
+    return Layout(**{k: data[k] for k in keys if data.get(k) is not None})
+
+
+def _axis_size(layout: Layout, axis) -> int:
+    return 1 if axis is None else getattr(layout, axis)
+
+
+def check_splittable(name: str, global_shape, sharding: dict, layout: Layout) -> None:
+    """Raise if ``layout`` cannot split the parameter as its sharding says."""
+    axis = sharding.get("axis")
+    if axis is None:
+        return
+    dim, stride = sharding["partition_dim"], sharding.get("partition_stride", 1)
+    size = _axis_size(layout, axis)
+    if dim >= len(global_shape):
+        raise CheckpointError(f"parameter {name!r}: partition_dim={dim} but its global shape "
+                              f"{tuple(global_shape)} has {len(global_shape)} dims.")
+    if global_shape[dim] % (size * stride):
+        raise CheckpointError(
+            f"parameter {name!r}: dim {dim} of its global shape {tuple(global_shape)} is "
+            f"{global_shape[dim]}, not divisible by {axis}={size}"
+            + (f" x partition_stride {stride}" if stride > 1 else "")
+            + f": the new layout cannot split it. Choose a {axis} size that divides "
+            f"{global_shape[dim] // stride}.")
+
+
+def piece_for(name: str, global_shape, sharding: dict, layout: Layout, rank: int) -> dict:
+    """The piece of the parameter that ``rank`` holds under ``layout``."""
+    axis = sharding.get("axis")
+    if axis is None:
+        return {"dim": None}
+    check_splittable(name, global_shape, sharding, layout)
+    dim = sharding["partition_dim"]
+    size = _axis_size(layout, axis)
+    coord = layout.coords(rank)[axis]
+    ranges, local = [], 0
+    for g0, g1 in local_slices(global_shape[dim], size, coord, sharding.get("partition_stride", 1)):
+        ranges.append([g0, g1, local])
+        local += g1 - g0
+    return {"dim": dim, "ranges": ranges}
+
+
+def local_shape(global_shape, piece: dict) -> tuple:
+    shape = list(global_shape)
+    if piece["dim"] is not None:
+        shape[piece["dim"]] = sum(g1 - g0 for g0, g1, _ in piece["ranges"])
+    return tuple(shape)
+
+
+def global_shape_from_local(name: str, local, sharding: dict, layout: Layout) -> tuple:
+    """The global shape of a parameter from this rank's local shape."""
+    shape = list(local)
+    axis = sharding.get("axis")
+    if axis is not None:
+        dim = sharding["partition_dim"]
+        if dim >= len(shape):
+            raise CheckpointError(f"parameter {name!r}: partition_dim={dim} is out of range for "
+                                  f"its local shape {tuple(local)}.")
+        shape[dim] *= _axis_size(layout, axis)
+    return tuple(shape)
+
+
+def writes(layout: Layout, rank: int, axis) -> bool:
+    """Whether ``rank`` writes (its piece of) a parameter split over ``axis``."""
+    coords = layout.coords(rank)
+    return all(coords[a] == 0 for a in ("tp", "cp", "dp") if a != axis)
+
+
+def stage_for(name: str, saved_stage: int, saved_pp: int, new_pp: int, num_layers: int) -> int:
+    """The pipeline stage holding ``name`` under a layout with ``new_pp`` stages."""
+    if new_pp == saved_pp:
+        return saved_stage
+    m = LAYER_RE.search(name)
+    if m and num_layers:
+        return int(m.group(2)) * new_pp // num_layers
+    if saved_pp > 1 and saved_stage == saved_pp - 1:
+        return new_pp - 1
+    return min(saved_stage, new_pp - 1) if saved_stage == 0 else new_pp - 1
+
+
+def count_layers(names) -> int:
+    idx = [int(m.group(2)) for m in (LAYER_RE.search(n) for n in names) if m]
+    return max(idx) + 1 if idx else 0
+
+
+def rename_layers(name: str, offset: int, prefix: str = "layers") -> str:
+    """``name`` with the index after ``<prefix>.`` shifted by ``offset``:
+    ``rename_layers("net.layers.1.w", 4)`` -> ``"net.layers.5.w"``."""
+    pattern = re.compile(r"(^|\.)" + re.escape(prefix) + r"\.(\d+)(?=\.|$)")
+    return pattern.sub(lambda m: f"{m.group(1)}{prefix}.{int(m.group(2)) + offset}", name, count=1)
