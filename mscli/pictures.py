@@ -222,9 +222,9 @@ def draw_grid(ax, plan: dict, color_by: str | None = None, highlight: int | None
     shown = sorted({cell["group"] for cell in cells.values()})
     handles = [Patch(facecolor=colors[g], label=f"{axis} {g}: {_members_text(plan['groups'][axis][g])}")
                for g in shown[:LEGEND_GROUPS]]
-    if len(shown) > LEGEND_GROUPS:
-        handles.append(Patch(facecolor="none", edgecolor="none",
-                             label=f"+{len(plan['groups'][axis]) - LEGEND_GROUPS} more {axis} groups"))
+    hidden = len(plan["groups"][axis]) - len(handles)
+    if hidden:
+        handles.append(Patch(facecolor="none", edgecolor="none", label=f"+{hidden} more {axis} groups"))
     if any(cell["crosses"] for cell in cells.values()):
         handles.append(Patch(facecolor="white", edgecolor=CROSS_EDGE, linewidth=2, label=f"{axis} group crosses nodes"))
     handles.append(Patch(facecolor=STAGE_SHADES[0], edgecolor="#999999", label="band = pipeline stage"))
