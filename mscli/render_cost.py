@@ -98,15 +98,74 @@ def communication_table(estimate: dict, cluster: dict) -> Table:
     return table
 
 
+TERMS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("tp_s", "tp collectives"),
+         ("cp_s", "cp collectives"), ("pp_s", "pp sends"), ("dp_s", "dp-cp gradients (exposed)"))
+
+
+def human_rate(n: float) -> str:
+    """``1.23 M``, ``456 K``, ``12.3`` (per second)."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.3g}"
+
+
+def cluster_text(cluster: dict, sources: dict | None = None) -> Text:
+    """The cluster values an estimate used and, grouped, where each came from (``--calibrate``)."""
+    name = cluster.get("device") or "generic device"
+    text = Text(f"cluster: {name}, {cluster['peak_tflops']:g} TFLOPS peak x {cluster['compute_efficiency']:.3g} "
+                f"efficiency; intra-node {cluster['intra_node_gbps']:.3g} GB/s, {cluster['intra_node_latency_us']:.3g} "
+                f"us per call; inter-node {cluster['inter_node_gbps']:.3g} GB/s, "
+                f"{cluster['inter_node_latency_us']:.3g} us per call")
+    by_source: dict[str, list] = {}
+    for key, source in (sources or {}).items():
+        by_source.setdefault(source, []).append(key)
+    if by_source:
+        text.append("\nsources: " + "; ".join(f"{source}: {', '.join(keys)}" for source, keys in by_source.items()),
+                    style="dim")
+    return text
+
+
+def time_table(estimate: dict) -> Table:
+    """The step-time estimate of one layout: each exposed term and its share."""
+    time, model = estimate["time"], estimate["model"]
+    total = time["step_time_s"]
+    table = Table(title="step time (busiest stage)", title_justify="left", caption_justify="left",
+                  show_edge=False, pad_edge=False)
+    for column, justify in (("term", "left"), ("seconds", "right"), ("share", "right")):
+        table.add_column(column, justify=justify, no_wrap=True)
+    for key, label in TERMS:
+        value = time["breakdown"][key]
+        table.add_row(label, human_seconds(value), f"{value / total:.1%}" if total else "-")
+    table.add_row(Text("step", style="bold"), Text(human_seconds(total), style="bold"), "100%")
+    return table
+
+
+def time_summary(estimate: dict) -> Text:
+    """One line under the step-time table: the totals a person compares layouts by."""
+    time, model = estimate["time"], estimate["model"]
+    return Text(f"{human_seconds(time['step_time_s'])} per step: {human_rate(time['tokens_per_s'])} tokens/s, "
+                f"MFU {time['mfu']:.1%}; {model['num_microbatches']} micro-batches, pipeline bubble (p-1)/(v*m) = "
+                f"{model['pipeline_bubble']:.1%} (docs/COST_MODEL.md, \"Step time\")")
+
+
 def cost_view(data: dict, show_all: bool = False) -> list:
     """The renderables ``msdist plan --model`` adds (nothing without a model)."""
     if "memory" not in data:
         return []
-    return [memory_table(data, show_all), communication_table(data, data["model"]["cluster"])]
+    return [memory_table(data, show_all), communication_table(data, data["model"]["cluster"]), time_table(data),
+            time_summary(data), cluster_text(data["model"]["cluster"], data["model"].get("cluster_sources"))]
 
 
 def _rejected_text(result: dict) -> str:
     return ", ".join(f"{reason}: {n}" for reason, n in sorted(result["rejected"].items(), key=lambda kv: -kv[1]))
+
+
+def breakdown_text(candidate: dict) -> str:
+    """``compute 1.2 s + bubble 40 ms + tp 0.3 s + ...`` (only the non-zero terms)."""
+    parts = [f"{label.split()[0]} {human_seconds(candidate['breakdown'][key])}" for key, label in TERMS
+             if candidate["breakdown"][key] > 0]
+    return " + ".join(parts) or "0"
 
 
 def render_suggest(result: dict, model_name: str) -> None:
@@ -119,20 +178,28 @@ def render_suggest(result: dict, model_name: str) -> None:
              f"{result['devices_per_node']}), {human_bytes(result['device_memory_bytes'])} per device: "
              f"{result['valid']} layout(s) fit, best {len(candidates)} shown")
     table = Table(title=title, title_justify="left", caption_justify="left", show_edge=False, pad_edge=False)
-    for column in ("#", "tp", "cp", "dp", "pp", "order", "peak/rank", "fits", "comm/step", "bottleneck",
-                   "bubble", "crosses nodes"):
-        table.add_column(column, justify="left" if column in ("order", "fits", "bottleneck", "crosses nodes")
+    show_mbs = len(result.get("micro_batch_sizes") or ()) > 1
+    columns = ["#", "tp", "cp", "dp", "pp", "order"] + (["mbs"] if show_mbs else []) + [
+        "step time", "tokens/s", "MFU", "bubble", "peak mem", "bottleneck", "crossing"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("order", "bottleneck", "crossing")
                          else "right", no_wrap=True)
     for i, c in enumerate(candidates, 1):
         crossing = [k for k in ("tp", "cp") if c["cross_node"][k]]
         table.add_row(str(i), str(c["tp"]), str(c["cp"]), str(c["dp"]), str(c["pp"]), c["order"],
-                      human_bytes(c["peak_bytes"]), _fits(c["fits"]), human_seconds(c["est_time_s"]),
-                      c["bottleneck"] or "-", f"{c['pipeline_bubble']:.1%}",
+                      *([str(c["micro_batch_size"])] if show_mbs else []),
+                      human_seconds(c["step_time_s"]), human_rate(c["tokens_per_s"]), f"{c['mfu']:.1%}",
+                      f"{c['pipeline_bubble']:.1%}", human_bytes(c["peak_bytes"]), c["bottleneck"] or "-",
                       Text(", ".join(crossing), style="yellow") if crossing else "-")
     rejected = _rejected_text(result)
-    table.caption = "ranked by estimated communication per step, then peak memory" + (
-        f"; rejected sizes: {rejected}" if rejected else "")
-    stdout_console().print(table)
+    table.caption = Text(
+        "ranked by estimated step time (compute + pipeline bubble + exposed communication), then peak memory; "
+        f"bottleneck: the group communicating longest. #1: {breakdown_text(candidates[0])}"
+        + (f". Rejected sizes: {rejected}" if rejected else ""))
+    console = stdout_console()
+    console.print(table)
+    if "cluster" in result:
+        console.print(cluster_text(result["cluster"], result.get("cluster_sources")))
 
 
 def nothing_fits_message(result: dict) -> str:

@@ -164,7 +164,12 @@ def check_candidates(data, workload, world, per_node):
         assert c["fits"] is True and c["peak_bytes"] == same["memory"]["peak_bytes"] <= data["device_memory_bytes"]
         assert c["est_time_s"] == pytest.approx(same["communication"]["est_time_s"])
         assert c["bottleneck"] == same["communication"]["bottleneck"]
-    keys = [(c["est_time_s"], c["peak_bytes"]) for c in data["candidates"]]
+        assert c["step_time_s"] == pytest.approx(same["time"]["step_time_s"])
+        assert c["breakdown"] == pytest.approx(same["time"]["breakdown"])
+        assert sum(c["breakdown"].values()) == pytest.approx(c["step_time_s"])
+        assert c["mfu"] == pytest.approx(same["time"]["mfu"]) and 0 < c["mfu"] <= 1
+    # Fastest training step first; ties: lower peak memory.
+    keys = [(c["step_time_s"], c["peak_bytes"]) for c in data["candidates"]]
     assert keys == sorted(keys)
     assert data["valid"] + sum(data["rejected"].values()) == len(list(size_choices(world)))
 
@@ -186,9 +191,9 @@ def test_suggest_picks_the_fastest_order_of_each_size():
 
     for c in data["candidates"][:6]:
         times = [estimate(Layout(world_size=32, tp=c["tp"], cp=c["cp"], pp=c["pp"], order="-".join(o),
-                                 devices_per_node=8), workload)["communication"]["est_time_s"]
+                                 devices_per_node=8), workload)["time"]["step_time_s"]
                  for o in itertools.permutations(("tp", "cp", "dp", "pp"))]
-        assert c["est_time_s"] == pytest.approx(min(times))
+        assert c["step_time_s"] == pytest.approx(min(times))
 
 
 def test_suggest_table_and_top():

@@ -1,19 +1,46 @@
-"""``msdist suggest``: which layouts of N devices fit a model, fastest communication first."""
+"""``msdist suggest``: which layouts of N devices fit a model, fastest training step first."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Optional
 
 import typer
 
+from mindscience.distributed.costmodel.devices import describe_devices
 from mindscience.distributed.topology import BACKENDS, Layout
 
 from .. import render, render_cost
 from ..errors import EXIT_FAILED, UsageError, check_format, check_output_folder, user_errors
 from ..layouts import resolve_model
-from .plan import hccl_buffsize
+from .plan import apply_cluster, hccl_buffsize
+
+
+def parse_fix(text: Optional[str]) -> dict:
+    """``"tp=8,cp=1"`` -> ``{"tp": 8, "cp": 1}``."""
+    fix = {}
+    for part in (p.strip() for p in (text or "").split(",") if p.strip()):
+        axis, _, size = part.partition("=")
+        axis = axis.strip()
+        try:
+            fix[axis] = int(size)
+        except ValueError:
+            raise UsageError(f"--fix {text!r} is invalid: expected AXIS=SIZE pairs such as tp=8,cp=1.") from None
+    return fix
+
+
+def parse_sizes(text: Optional[str]) -> Optional[list]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (None without the option)."""
+    if text is None:
+        return None
+    try:
+        sizes = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--micro-batch-sizes {text!r} is invalid: expected positive integers such as 1,2,4.")
+    return sizes
 
 
 def _best_layout(result: dict, workload, backend: str) -> str:
@@ -22,6 +49,10 @@ def _best_layout(result: dict, workload, backend: str) -> str:
     from mindscience.distributed.topology.layout_file import layout_to_yaml
 
     best = result["candidates"][0]
+    training = replace(workload.training, micro_batch_size=best["micro_batch_size"],
+                       virtual_pipeline_stages=best["virtual_stages"],
+                       global_batch_size=best["micro_batch_size"] * best["dp"] * best["microbatches"])
+    workload = replace(workload, training=training)
     name = f"{workload.model.name}-tp{best['tp']}-cp{best['cp']}-dp{best['dp']}-pp{best['pp']}"
     layout = Layout(world_size=result["world_size"], tp=best["tp"], cp=best["cp"], pp=best["pp"],
                     dp=best["dp"], order=best["order"], devices_per_node=result["devices_per_node"],
@@ -33,7 +64,8 @@ def _best_layout(result: dict, workload, backend: str) -> str:
         f"{result['devices_per_node']} devices",
         sections=workload_sections(workload),
         comment=(f"Written by: msdist suggest --model {workload.model.name} --world {result['world_size']}\n"
-                 f"Estimated communication {best['est_time_s']:.4g} s per step (bottleneck "
+                 f"Estimated step {best['step_time_s']:.4g} s ({best['tokens_per_s']:.4g} tokens/s, MFU "
+                 f"{best['mfu']:.1%}); communication {best['est_time_s']:.4g} s per step (bottleneck "
                  f"{best['bottleneck']}), peak {best['peak_bytes'] / 1024**3:.1f} GiB per rank."),
     )
 
@@ -49,10 +81,24 @@ def suggest(
     fmt: str = typer.Option("rich", "--format", "-f", help="rich (a table) or json (stdout holds only JSON)."),
     write: Optional[str] = typer.Option(None, "--write", help="Save the best layout as a layout file."),
     backend: str = typer.Option("ascend", "--backend", help="backend: of the layout --write saves."),
+    device: Optional[str] = typer.Option(
+        None, "--device", help="Device preset filling the cluster values the model file leaves out: "
+        + describe_devices() + "."),
+    fix: Optional[str] = typer.Option(None, "--fix", help="Pin axis sizes, e.g. tp=8,cp=1."),
+    micro_batch_sizes: Optional[str] = typer.Option(
+        None, "--micro-batch-sizes", help="Search these micro-batch sizes too, e.g. 1,2,4 (each layout keeps its "
+        "fastest; without a global_batch_size every layout trains max(sizes) x world samples per step)."),
+    virtual_stages: Optional[int] = typer.Option(
+        None, "--virtual-stages", help="Price the interleaved 1F1B schedule with V model chunks per pipeline rank."),
+    calibrate: Optional[str] = typer.Option(
+        None, "--calibrate", help="A `msdist verify --format json` report: take compute TFLOP/s, bandwidths and "
+        "latencies from it (what it lacks stays as configured; the output says which came from where)."),
 ) -> None:
-    """Rank every (tp, cp, dp, pp) and order of N devices that fits the model (no device needed).
+    """Rank every (tp, cp, dp, pp) and order of N devices that fits the model by estimated step time.
 
-    Exit 1 when none fits, naming the closest layout and why.
+    The step time is compute + pipeline bubble + exposed communication of the busiest
+    stage (docs/COST_MODEL.md); no device needed. Exit 1 when none fits, naming the
+    closest layout and why.
     """
     from mindscience.distributed.costmodel import load_workload
     from mindscience.distributed.costmodel import suggest as search
@@ -64,18 +110,21 @@ def suggest(
         if devices_per_node is not None and (devices_per_node < 1 or world % devices_per_node):
             raise UsageError(f"--devices-per-node {devices_per_node} is invalid: expected a positive divisor "
                              f"of --world {world} (every node holds the same number of devices).")
-        if device_memory_gb is not None and not device_memory_gb > 0:
-            raise UsageError(f"--device-memory-gb {device_memory_gb} is invalid: expected a number of GiB > 0.")
         if top < 1:
             raise UsageError(f"--top {top} is invalid: expected at least 1.")
         if backend not in BACKENDS:
             raise UsageError(f"--backend {backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
         if write:
             check_output_folder("--write", write)
+        if virtual_stages is not None and virtual_stages < 1:
+            raise UsageError(f"--virtual-stages {virtual_stages} is invalid: expected at least 1.")
+        pinned, sizes = parse_fix(fix), parse_sizes(micro_batch_sizes)
         workload = load_workload(resolve_model(model))
-        if device_memory_gb is not None:
-            workload = replace(workload, cluster=replace(workload.cluster, device_memory_gb=device_memory_gb))
-        result = search(workload, world, devices_per_node, top, hccl_buffsize(None))
+        workload, sources = apply_cluster(workload, device, device_memory_gb, calibrate)
+        result = search(workload, world, devices_per_node, top, hccl_buffsize(None), fix=pinned,
+                        micro_batch_sizes=sizes, virtual_stages=virtual_stages)
+        result["cluster"] = asdict(workload.cluster)
+        result["cluster_sources"] = sources
     if fmt == "json":
         render.print_json(result)
     else:

@@ -10,7 +10,7 @@ tp            all_reduce x 4 (2 fwd, 2 bwd)             ``s/cp * b * h`` activat
 tp with SP    all_gather x 6, reduce_scatter x 4        the same (the backward all-gathers the
                                                         column-linear inputs again, Korthikanti 4.2.2)
 cp (Ulysses)  all_to_all x 8 (q, k, v, out; fwd+bwd)    ``s/cp * b * h/tp`` (k, v: ``g*d/tp``)
-pp            send_recv x 2 per micro-batch             ``s/cp * b * h`` (``/tp`` with SP)
+pp            send_recv x 2 per micro-batch (x v)       ``s/cp * b * h`` (``/tp`` with SP)
 dp-cp         all_reduce x 1 per step                   the rank's gradients
 dp-cp + DO    reduce_scatter + all_gather per step      gradients, then updated weights
 ============  =======================================  ===========================================
@@ -88,7 +88,8 @@ def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int,
         one_pass = 2 * (h + kv) * local * b * nbytes["activation"] // tp
         rows.append(_row("cp", "all_to_all", cp, 4 * (2 + again) * calls, (2 + again) * calls * one_pass))
     if pp > 1:
-        sends = microbatches * (2 if pp > 2 else 1)  # a middle stage sends both ways
+        # A middle stage sends both ways; with v model chunks per rank every chunk boundary sends.
+        sends = microbatches * (2 if pp > 2 else 1) * training.virtual_pipeline_stages
         rows.append(_row("pp", "send_recv", pp, sends, sends * (activation // (tp if sp else 1))))
     n = dp * cp
     if n > 1:

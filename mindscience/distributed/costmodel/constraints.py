@@ -37,7 +37,9 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
       vocabulary-parallel embedding split these over tp;
     * ``num_layers % pp``: every pipeline stage holds the same number of layers;
     * ``seq_length % (tp*cp)`` with sequence parallelism (else ``seq_length % cp``);
-    * ``global_batch_size % (micro_batch_size*dp)`` when the global batch is given.
+    * ``global_batch_size % (micro_batch_size*dp)`` when the global batch is given;
+    * with ``virtual_pipeline_stages`` v > 1 and pp > 1 (interleaved 1F1B):
+      ``num_layers % (pp*virtual_pipeline_stages)`` and ``microbatches % pp (interleaved)``.
     """
     a, g = model.num_attention_heads, model.num_query_groups
     found = []
@@ -71,6 +73,11 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
         add("num_layers % pp", f"num_layers={model.num_layers} is not divisible by pp={pp}: every "
             f"pipeline stage holds the same number of layers. Use a pp that divides {model.num_layers} "
             f"({_divisors(model.num_layers)}).")
+    v = training.virtual_pipeline_stages
+    if v > 1 and pp > 1 and not model.num_layers % pp and model.num_layers % (pp * v):
+        add("num_layers % (pp*virtual_pipeline_stages)", f"num_layers={model.num_layers} is not divisible by "
+            f"pp*virtual_pipeline_stages = {pp}*{v} = {pp * v}: the interleaved schedule gives every rank {v} "
+            f"equal model chunks. Use a pp and virtual_pipeline_stages whose product divides {model.num_layers}.")
     s = model.seq_length
     if training.sequence_parallel and s % (tp * cp):
         add("seq_length % (tp*cp)", f"seq_length={s} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}: "
@@ -85,6 +92,12 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
             f"micro_batch_size*dp = {mbs}*{dp} = {mbs * dp}: every data-parallel rank runs the same "
             f"number of micro-batches. Use a global_batch_size that is a multiple of {mbs * dp}, or "
             "another dp.")
+    if v > 1 and pp > 1:
+        m = (gbs or mbs * tp * cp * pp * dp) // (mbs * dp)
+        if m % pp:
+            add("microbatches % pp (interleaved)", f"{m} micro-batches per step are not divisible by pp={pp}: "
+                "the interleaved schedule runs micro-batches in groups of pp. Use a global_batch_size that "
+                f"gives a multiple of {pp} micro-batches per dp rank, or virtual_pipeline_stages: 1.")
     return found
 
 

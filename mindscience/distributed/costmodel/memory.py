@@ -159,14 +159,33 @@ def num_microbatches(training: TrainingSpec, dp: int, world_size: int) -> int:
     return max(1, gbs // (training.micro_batch_size * dp))
 
 
-def pipeline_bubble(pp: int, microbatches: int) -> float:
-    """1F1B's idle time relative to the compute, ``(pp - 1) / m`` (Narayanan et al. 2021, sec. 2.2.1)."""
-    return (pp - 1) / microbatches
+def pipeline_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle time relative to the compute: 1F1B ``(pp - 1) / m``, interleaved ``(pp - 1) / (v m)``
+    (Narayanan et al. 2021, sec. 2.2)."""
+    return (pp - 1) / (virtual_stages * microbatches)
 
 
 def in_flight(pp: int, stage: int, microbatches: int) -> int:
     """Micro-batches whose activations stage ``stage`` holds at once under 1F1B: ``min(pp - stage, m)``."""
     return min(pp - stage, microbatches)
+
+
+def layers_in_flight(num_layers: int, pp: int, stage: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Layer activations (layers x micro-batches) stage ``stage`` holds at its peak.
+
+    1F1B: ``l/p`` layers of ``min(p - i, m)`` micro-batches. Interleaved with ``v`` chunks
+    of ``l/(p v)`` layers: Megatron's warm-up runs ``2 (p - i - 1) + (v - 1) p`` chunk
+    forwards before the first backward, so ``2 (p - i - 1) + (v - 1) p + 1`` chunks are in
+    flight (at most ``v m``); on the first stage that is ``1 + (p - 1)/(p v)`` times
+    1F1B's ``l`` layers, Megatron's interleaving memory penalty.
+
+        >>> layers_in_flight(16, 4, 0, 8), layers_in_flight(16, 4, 0, 8, virtual_stages=2)
+        (16, 22.0)
+    """
+    if virtual_stages <= 1 or pp <= 1:
+        return num_layers // pp * in_flight(pp, stage, microbatches)
+    chunks = min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, virtual_stages * microbatches)
+    return num_layers / (pp * virtual_stages) * chunks
 
 
 def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
@@ -185,7 +204,8 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
         params = shard + whole
         flying = in_flight(pp, stage, m)
         layers = model.num_layers // pp
-        activations = layers * layer * flying + working
+        held = layers_in_flight(model.num_layers, pp, stage, m, training.virtual_pipeline_stages)
+        activations = round(held * layer) + working
         if stage == 0:
             activations += first * flying
         if stage == pp - 1:

@@ -23,6 +23,7 @@ from .constraints import check
 from .errors import ModelError
 from .memory import num_microbatches, pipeline_bubble, stage_rows, total_parameters
 from .spec import Workload
+from .steptime import step_time
 
 MIB = 1024**2
 
@@ -44,7 +45,8 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
 
     Returns:
         ``{"model": {...}, "memory": {"stages": [...], "peak_bytes", "device_memory_bytes",
-        "fits"}, "communication": {"per_step": [...], "est_time_s", "bottleneck"}}``.
+        "fits"}, "communication": {"per_step": [...], "est_time_s", "bottleneck"}, "time":
+        {"step_time_s", "breakdown", "tokens_per_s", "mfu", ...}}`` (:func:`~.steptime.step_time`).
 
     Raises:
         ModelError: the workload has no model.
@@ -58,16 +60,20 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
     check(model, training, layout, workload.source)
     sizes = (layout.tp, layout.cp, layout.pp, layout.dp)
     stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb))
-    communication = timed(traffic(model, training, *sizes), crossing_flags(layout), cluster)
+    rows, flags = traffic(model, training, *sizes), crossing_flags(layout)
+    communication = timed(rows, flags, cluster)
+    timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows)
     microbatches = num_microbatches(training, layout.dp, layout.world_size)
     summary = {
         "name": model.name,
         "source": workload.source,
         "parameters": total_parameters(model),
         "num_microbatches": microbatches,
-        "pipeline_bubble": pipeline_bubble(layout.pp, microbatches),
+        "pipeline_bubble": pipeline_bubble(layout.pp, microbatches, timing["virtual_stages"]),
         "training": asdict(training),
         "cluster": asdict(cluster),
     }
+    time = {k: timing[k] for k in ("step_time_s", "breakdown", "tokens_per_s", "mfu")}
+    time.update({k: timing[k] for k in ("model_flops_per_step", "slot_s", "dp_reduce_s")})
     return {"model": summary, "memory": memory_report(stages, cluster.device_memory_bytes),
-            "communication": communication}
+            "communication": communication, "time": time}

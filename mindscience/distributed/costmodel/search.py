@@ -1,23 +1,29 @@
-"""``msdist suggest``: every layout of a world that fits a model, fastest communication first.
+"""``msdist suggest``: every layout of a world that fits a model, fastest training step first.
 
 The search enumerates every ``(tp, cp, pp)`` whose product divides the world (``dp`` is
-the rest), drops the sizes that break a model constraint (counted under the first broken
-one) or whose busiest stage does not fit the device, and for each remaining size tries
-every order that places the ranks differently (:func:`distinct_orders`). An order changes
-only which groups span nodes, so the traffic is computed once per size and each order
-only re-prices it with the intra- or inter-node bandwidth. Each size keeps its fastest
-order (ties: the default ``tp-cp-dp-pp``, then the earliest permutation). Candidates are sorted by estimated step
-communication time, then by peak memory.
+the rest; ``fix`` pins some of them), and for each micro-batch size asked for drops the
+choices that break a model constraint (counted under the first broken one) or whose
+busiest stage does not fit the device. For each remaining size it tries every order that
+places the ranks differently (:func:`distinct_orders`): an order changes only which
+groups span nodes, so the traffic is computed once per size and micro-batch size and each
+order re-prices it. Each size keeps its fastest order and micro-batch size (ties: the
+default ``tp-cp-dp-pp``, then the earliest permutation, then the smaller micro-batch).
+Candidates are sorted by the estimated step time (:func:`~.steptime.step_time`: compute,
+pipeline bubble and exposed communication), then by peak memory.
 
-Example: a 16-layer model on 16 devices, 8 per node; with the pipeline over both nodes
-only its small point-to-point messages cross, and the gradients stay inside a node::
+Example: a 16-layer model on 16 devices, 8 per node, 16 samples per step. Pure data
+parallelism would all-reduce every gradient across both nodes after a single
+micro-batch; pp = 2 keeps the gradients inside a node for a 50 % bubble of the one
+stage's compute, and deeper pipelines only idle more::
 
     >>> from mindscience.distributed.costmodel.spec import ModelSpec, Workload
     >>> m = ModelSpec(num_layers=16, hidden_size=1024, num_attention_heads=16,
     ...               seq_length=2048, vocab_size=32000)
-    >>> best = suggest(Workload(model=m), world_size=16)["candidates"][0]
-    >>> (best["tp"], best["cp"], best["dp"], best["pp"], best["order"])
-    (1, 1, 2, 8, 'tp-cp-dp-pp')
+    >>> ranked = suggest(Workload(model=m), world_size=16)["candidates"]
+    >>> [(c["tp"], c["cp"], c["dp"], c["pp"]) for c in ranked[:2]]
+    [(1, 1, 8, 2), (2, 1, 4, 2)]
+    >>> [c["pp"] for c in ranked].index(8) > 10    # the old first choice, pp = 8
+    True
 """
 
 from __future__ import annotations
@@ -31,19 +37,50 @@ from .comm import crossing_flags, timed, traffic
 from .constraints import violations
 from .errors import ModelError
 from .report import communicator_bytes
-from .memory import num_microbatches, pipeline_bubble, stage_rows
+from .memory import stage_rows
 from .spec import DEFAULT_DEVICES_PER_NODE, GIB, Workload
+from .steptime import step_time
 
 MEMORY = "does not fit device memory"
+AXES = ("tp", "cp", "dp", "pp")
 
 
-def size_choices(world_size: int):
-    """Every ``(tp, cp, pp, dp)`` with ``tp * cp * pp * dp == world_size``."""
+def size_choices(world_size: int, fix: dict | None = None):
+    """Every ``(tp, cp, pp, dp)`` with ``tp * cp * pp * dp == world_size`` (and the sizes in ``fix``)."""
+    fix = fix or {}
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    for tp in divisors:
-        for cp in (d for d in divisors if (world_size // tp) % d == 0):
-            for pp in (d for d in divisors if (world_size // (tp * cp)) % d == 0):
-                yield tp, cp, pp, world_size // (tp * cp * pp)
+    for tp in divisors if "tp" not in fix else [fix["tp"]]:
+        for cp in (d for d in divisors if (world_size // tp) % d == 0 and fix.get("cp", d) == d):
+            for pp in (d for d in divisors if (world_size // (tp * cp)) % d == 0 and fix.get("pp", d) == d):
+                dp = world_size // (tp * cp * pp)
+                if fix.get("dp", dp) == dp:
+                    yield tp, cp, pp, dp
+
+
+def check_fix(fix: dict | None, world_size: int) -> dict:
+    """Validate pinned axis sizes (``--fix tp=8,cp=1``).
+
+    Raises:
+        ModelError: an unknown axis, a size that is not a positive integer, or sizes
+            whose product does not divide the world.
+    """
+    fix = dict(fix or {})
+    for axis, size in fix.items():
+        if axis not in AXES:
+            raise ModelError(f"--fix {axis}={size!r} is invalid: expected axes among {', '.join(AXES)}, "
+                             "e.g. --fix tp=8,cp=1.")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ModelError(f"--fix {axis}={size!r} is invalid: expected a positive integer size.")
+    product = 1
+    for size in fix.values():
+        product *= size
+    if world_size % product:
+        raise ModelError(f"--fix {','.join(f'{a}={n}' for a, n in fix.items())} is invalid: the product "
+                         f"{product} does not divide --world {world_size}.")
+    if len(fix) == 4 and product != world_size:
+        raise ModelError(f"--fix {','.join(f'{a}={n}' for a, n in fix.items())} is invalid: tp*cp*dp*pp = "
+                         f"{product}, expected the world size {world_size}.")
+    return fix
 
 
 def distinct_orders(sizes: dict) -> list[str]:
@@ -88,28 +125,55 @@ def _closest(workload: Workload, best: dict, sizes: tuple, buffers: int) -> dict
         "peak_stage": stage["stage"], "over_bytes": stage["total_bytes"] - device, "why": why, "hints": hints}
 
 
+def _price(model, training, cluster, sizes: tuple, orders: list) -> tuple:
+    """The fastest ``(order, comm, flags, timing)`` of one size and training over ``orders``.
+
+    ``orders`` holds ``(order, crossing flags)`` pairs; the first wins ties.
+    """
+    tp, cp, pp, dp = sizes
+    rows = traffic(model, training, tp, cp, pp, dp)
+    best = None
+    for order, flags in orders:
+        timing = step_time(model, training, cluster, tp, cp, pp, dp, crossing=flags, rows=rows)
+        if best is None or timing["step_time_s"] < best[3]["step_time_s"]:
+            best = (order, None, flags, timing)
+    order, _, flags, timing = best
+    return order, timed(rows, flags, cluster), flags, timing
+
+
 def suggest(workload: Workload, world_size: int, devices_per_node: int | None = None,
-            top: int | None = None, buffsize_mb: int = DEFAULT_HCCL_BUFFSIZE_MB) -> dict:
-    """Rank the layouts of ``world_size`` devices that fit ``workload``.
+            top: int | None = None, buffsize_mb: int = DEFAULT_HCCL_BUFFSIZE_MB, fix: dict | None = None,
+            micro_batch_sizes=None, virtual_stages: int | None = None) -> dict:
+    """Rank the layouts of ``world_size`` devices that fit ``workload``, fastest step first.
 
     Args:
         workload: The model, training and cluster (``cluster.device_memory_gb`` decides
-            what fits).
+            what fits, ``peak_tflops``/``compute_efficiency``/bandwidths/latencies the time).
         world_size: Devices.
         devices_per_node: Devices per node; default ``cluster.devices_per_node``, else
             8 (or the world when smaller).
         top: Keep the best ``top`` candidates (None: all).
         buffsize_mb: HCCL_BUFFSIZE for the communicator memory.
+        fix: Pinned axis sizes, e.g. ``{"tp": 8, "cp": 1}``.
+        micro_batch_sizes: Micro-batch sizes to try (default: the training's); each
+            candidate keeps its fastest. Without a ``global_batch_size`` the global batch
+            is ``max(micro_batch_sizes) * world_size`` for all of them, so every candidate
+            trains the same samples per step.
+        virtual_stages: Model chunks per pipeline rank (the interleaved schedule);
+            default the training's ``virtual_pipeline_stages``.
 
     Returns:
         ``{"world_size", "devices_per_node", "device_memory_bytes", "candidates": [{"tp",
-        "cp", "dp", "pp", "order", "peak_bytes", "fits", "est_time_s", "bottleneck",
-        "cross_node": {"tp", "cp"}, "pipeline_bubble"}, ...], "valid": count before ``top``, "rejected":
-        {reason: count}, "closest": None or the lowest-memory size that breaks no
-        constraint, with "why" and "hints"}``. Candidates are best first.
+        "cp", "dp", "pp", "order", "micro_batch_size", "peak_bytes", "fits",
+        "step_time_s", "breakdown", "tokens_per_s", "mfu", "est_time_s" (communication),
+        "bottleneck", "cross_node": {"tp", "cp"}, "pipeline_bubble", "virtual_stages"},
+        ...], "valid": count before ``top``, "rejected": {reason: count}, "closest": None
+        or the lowest-memory size that breaks no constraint, with "why" and "hints"}``.
+        Candidates are best first.
 
     Raises:
-        ModelError: no model. LayoutError: a bad world or devices per node.
+        ModelError: no model, bad ``fix`` or micro-batch sizes. LayoutError: a bad world
+            or devices per node.
     """
     model, training, cluster = workload.model, workload.training, workload.cluster
     if model is None:
@@ -119,44 +183,68 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
     if devices_per_node is None and isinstance(world_size, int) and not isinstance(world_size, bool):
         devices_per_node = min(world_size, DEFAULT_DEVICES_PER_NODE) if world_size > 0 else 1
     Layout(world_size=world_size, devices_per_node=devices_per_node)  # validates both
+    fix = check_fix(fix, world_size)
+    sizes_b = list(dict.fromkeys(micro_batch_sizes or [training.micro_batch_size]))
+    for b in sizes_b:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ModelError(f"micro-batch size {b!r} is invalid: expected positive integers, e.g. "
+                             "--micro-batch-sizes 1,2,4.")
+    if virtual_stages is not None:
+        training = replace(training, virtual_pipeline_stages=virtual_stages)
+    gbs = training.global_batch_size
+    if gbs is None and micro_batch_sizes:
+        gbs = max(sizes_b) * world_size
+    trainings = [replace(training, micro_batch_size=b, global_batch_size=gbs) for b in sizes_b]
     device = cluster.device_memory_bytes
     candidates, rejected, lowest = [], {}, None
-    for tp, cp, pp, dp in size_choices(world_size):
-        broken = violations(model, training, tp, cp, pp, dp)
-        if broken:
-            rejected[broken[0][0]] = rejected.get(broken[0][0], 0) + 1
-            continue
+    for tp, cp, pp, dp in size_choices(world_size, fix):
         sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
         layout = Layout(world_size=world_size, tp=tp, cp=cp, pp=pp, devices_per_node=devices_per_node)
-        buffers = communicator_bytes(layout, buffsize_mb)
-        stages = stage_rows(model, training, tp, cp, pp, dp, buffers)
-        peak = max(s["total_bytes"] for s in stages)
-        if peak > device:
-            rejected[MEMORY] = rejected.get(MEMORY, 0) + 1
-            if lowest is None or peak < lowest[0]["peak"]:
-                lowest = ({"peak": peak, "stages": stages}, (tp, cp, pp, dp), buffers)
-            continue
-        rows = traffic(model, training, tp, cp, pp, dp)
-        best = None
-        for order in distinct_orders(sizes) if layout.num_nodes > 1 else [layout.order]:
-            placed = replace(layout, order=order) if order != layout.order else layout
-            flags = crossing_flags(placed)
-            comm = timed(rows, flags, cluster)
-            if best is None or comm["est_time_s"] < best[1]["est_time_s"]:
-                best = (order, comm, flags)
-        order, comm, flags = best
-        candidates.append({**sizes, "order": order, "peak_bytes": peak, "fits": True,
-                           "est_time_s": comm["est_time_s"], "bottleneck": comm["bottleneck"],
-                           "cross_node": {"tp": flags["tp"], "cp": flags["cp"]},
-                           "pipeline_bubble": pipeline_bubble(pp, num_microbatches(training, dp, world_size))})
-    candidates.sort(key=lambda c: (c["est_time_s"], c["peak_bytes"], c["pp"], c["cp"], c["tp"]))
+        buffers = orders = None
+        best, reason = None, None
+        for train in trainings:
+            broken = violations(model, train, tp, cp, pp, dp)
+            if broken:
+                reason = reason or broken[0][0]
+                continue
+            if buffers is None:
+                buffers = communicator_bytes(layout, buffsize_mb)
+            stages = stage_rows(model, train, tp, cp, pp, dp, buffers)
+            peak = max(s["total_bytes"] for s in stages)
+            if peak > device:
+                reason = MEMORY
+                if lowest is None or peak < lowest[0]["peak"]:
+                    lowest = ({"peak": peak, "stages": stages}, (tp, cp, pp, dp), buffers, train)
+                continue
+            if orders is None:
+                placements = distinct_orders(sizes) if layout.num_nodes > 1 else [layout.order]
+                orders = [(o, crossing_flags(replace(layout, order=o) if o != layout.order else layout))
+                          for o in placements]
+            order, comm, flags, timing = _price(model, train, cluster, (tp, cp, pp, dp), orders)
+            if best is None or timing["step_time_s"] < best["step_time_s"]:
+                best = {**sizes, "order": order, "micro_batch_size": train.micro_batch_size,
+                        "peak_bytes": peak, "fits": True,
+                        "step_time_s": timing["step_time_s"], "breakdown": timing["breakdown"],
+                        "tokens_per_s": timing["tokens_per_s"], "mfu": timing["mfu"],
+                        "est_time_s": comm["est_time_s"], "bottleneck": comm["bottleneck"],
+                        "cross_node": {"tp": flags["tp"], "cp": flags["cp"]},
+                        "pipeline_bubble": timing["pipeline_bubble"] if pp > 1 else 0.0,
+                        "virtual_stages": timing["virtual_stages"], "microbatches": timing["microbatches"]}
+        if best is None:
+            rejected[reason] = rejected.get(reason, 0) + 1
+        else:
+            candidates.append(best)
+    candidates.sort(key=lambda c: (c["step_time_s"], c["peak_bytes"], c["pp"], c["cp"], c["tp"]))
     closest = None
     if not candidates and lowest is not None:
-        closest = _closest(workload, *lowest)
+        best, sizes, buffers, train = lowest
+        closest = _closest(replace(workload, training=train), best, sizes, buffers)
     return {
         "world_size": world_size,
         "devices_per_node": devices_per_node,
         "device_memory_bytes": device,
+        "fix": fix,
+        "micro_batch_sizes": sizes_b,
         "candidates": candidates[:top] if top else candidates,
         "valid": len(candidates),
         "rejected": rejected,

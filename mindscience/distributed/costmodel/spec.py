@@ -20,10 +20,17 @@ file and the dotted key::
       distributed_optimizer: false
       recompute: none             # none | selective | full
       sequence_parallel: true
-    cluster:                      # these are the defaults
+      virtual_pipeline_stages: 1  # > 1: the interleaved 1F1B schedule with v model chunks per rank
+      overlap_grad_reduce: true   # the dp-cp gradient reduction overlaps the last backward
+    cluster:                      # these are the defaults (without a device preset)
+      device: null                # a preset filling the keys below: ascend-910b, a100-80gb, ...
       device_memory_gb: 64        # GiB (2**30 bytes) per device
       intra_node_gbps: 90         # per-device bandwidth inside a node, GB/s (1e9 bytes/s)
       inter_node_gbps: 25         # per-device bandwidth between nodes, GB/s
+      intra_node_latency_us: 10   # one small collective call inside a node
+      inter_node_latency_us: 20   # ... across nodes
+      peak_tflops: 300            # dense bf16/fp16 TFLOP/s per device
+      compute_efficiency: 0.5     # the fraction of peak a transformer layer's matmuls reach
       devices_per_node: 8         # only used by `msdist suggest` (default 8)
 
 Example:
@@ -40,6 +47,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ..topology.layout_file import LAYOUT_KEYS, SECTIONS, read_yaml_mapping
+from .devices import DEVICE_PRESETS, PRESET_KEYS, device_names
 from .errors import ModelError, ModelFileError
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -139,6 +147,12 @@ class TrainingSpec:
             distributed optimizer / ZeRO-1).
         recompute: ``none``, ``selective`` (the attention core) or ``full`` (each layer).
         sequence_parallel: Shard the non-tensor-parallel activations over tp.
+        virtual_pipeline_stages: Model chunks per pipeline rank (``v``); above 1 the
+            interleaved 1F1B schedule (Narayanan et al. 2021, sec. 2.2.2), which needs
+            ``num_layers % (pp * v) == 0`` and micro-batches divisible by pp.
+        overlap_grad_reduce: The dp-cp gradient reduction runs during the backward of the
+            last micro-batch (Megatron's ``--overlap-grad-reduce``); only what exceeds
+            that backward is exposed. False: all of it follows the backward.
 
     Raises:
         ModelError: a value out of range or an unknown choice.
@@ -150,40 +164,90 @@ class TrainingSpec:
     distributed_optimizer: bool = False
     recompute: str = "none"
     sequence_parallel: bool = True
+    virtual_pipeline_stages: int = 1
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self):
         _positive_int("micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
             _positive_int("global_batch_size", self.global_batch_size)
+        _positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
         _choice("precision", self.precision, PRECISIONS)
         _choice("recompute", self.recompute, RECOMPUTE)
-        for name in ("distributed_optimizer", "sequence_parallel"):
+        for name in ("distributed_optimizer", "sequence_parallel", "overlap_grad_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
 
 
+# Without a device preset: the cost model's generic accelerator.
+CLUSTER_DEFAULTS = {
+    "device_memory_gb": 64, "intra_node_gbps": 90, "inter_node_gbps": 25,
+    "intra_node_latency_us": 10, "inter_node_latency_us": 20, "peak_tflops": 300,
+}
+DEFAULT_COMPUTE_EFFICIENCY = 0.5
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
-    """The devices: memory and per-device link bandwidths (achievable bus bandwidth).
+    """The devices: memory, compute and per-device links (achievable bus bandwidth, latency).
+
+    Every value left None comes from the ``device`` preset
+    (:data:`~mindscience.distributed.costmodel.devices.DEVICE_PRESETS`), else from
+    :data:`CLUSTER_DEFAULTS`; values given explicitly override the preset.
 
     Args:
+        device: A preset name (``ascend-910b``, ``a100-80gb``, ``h100-80gb``, ``h200``,
+            ``cpu``) or None.
         device_memory_gb: Memory per device in GiB.
         intra_node_gbps: Per-device bandwidth between devices of one node, GB/s.
         inter_node_gbps: Per-device bandwidth between nodes, GB/s.
         devices_per_node: Devices per node for ``msdist suggest`` (a layout brings its own).
+        peak_tflops: Dense bf16/fp16 TFLOP/s per device (the MFU denominator).
+        compute_efficiency: Fraction of the peak a transformer layer's matmuls reach,
+            in (0, 1]; 0.5 by default (Megatron reaches 0.42-0.56 of an A100's peak on
+            GPT models of 22B-1T parameters, Korthikanti et al. 2022).
+        intra_node_latency_us: Time of one small collective inside a node, microseconds.
+        inter_node_latency_us: The same across nodes.
 
     Raises:
-        ModelError: a value that is not positive.
+        ModelError: an unknown device or a value that is not positive.
+
+    Example:
+        >>> c = ClusterSpec(device="a100-80gb", inter_node_gbps=12.5)
+        >>> (c.peak_tflops, c.device_memory_gb, c.inter_node_gbps, c.compute_efficiency)
+        (312.0, 80, 12.5, 0.5)
     """
 
-    device_memory_gb: float = 64
-    intra_node_gbps: float = 90
-    inter_node_gbps: float = 25
+    device_memory_gb: float | None = None
+    intra_node_gbps: float | None = None
+    inter_node_gbps: float | None = None
     devices_per_node: int | None = None
+    device: str | None = None
+    peak_tflops: float | None = None
+    compute_efficiency: float | None = None
+    intra_node_latency_us: float | None = None
+    inter_node_latency_us: float | None = None
 
     def __post_init__(self):
-        for name in ("device_memory_gb", "intra_node_gbps", "inter_node_gbps"):
+        preset = {}
+        if self.device is not None:
+            if self.device not in DEVICE_PRESETS:
+                raise ModelError(
+                    f"device={self.device!r} is invalid: expected one of {', '.join(device_names())}, "
+                    "or leave it out and set peak_tflops and the bandwidths yourself.")
+            preset = DEVICE_PRESETS[self.device]
+        for name in PRESET_KEYS:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, preset.get(name, CLUSTER_DEFAULTS[name]))
+        if self.compute_efficiency is None:
+            object.__setattr__(self, "compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)
+        for name in PRESET_KEYS:
             _positive_number(name, getattr(self, name))
+        _positive_number("compute_efficiency", self.compute_efficiency)
+        if self.compute_efficiency > 1:
+            raise ModelError(
+                f"compute_efficiency={self.compute_efficiency!r} is invalid: expected a fraction of the "
+                "peak in (0, 1], e.g. 0.5. To model a faster device raise peak_tflops instead.")
         if self.devices_per_node is not None:
             _positive_int("devices_per_node", self.devices_per_node)
 
@@ -191,18 +255,26 @@ class ClusterSpec:
     def device_memory_bytes(self) -> int:
         return int(self.device_memory_gb * GIB)
 
+    @property
+    def effective_flops(self) -> float:
+        """FLOP/s a layer's matmuls reach on one device: ``peak_tflops * compute_efficiency``."""
+        return self.peak_tflops * self.compute_efficiency * 1e12
+
 
 @dataclass(frozen=True)
 class Workload:
     """A model with its training and cluster: everything the estimates read besides the layout.
 
-    ``model`` is None for a layout file without a ``model:`` section.
+    ``model`` is None for a layout file without a ``model:`` section. ``cluster_keys``
+    names the cluster values a file set explicitly (the rest came from the device preset
+    or the defaults; see :func:`~.calibrate.cluster_sources`).
     """
 
     model: ModelSpec | None = None
     training: TrainingSpec = field(default_factory=TrainingSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     source: str | None = None
+    cluster_keys: tuple = ()
 
 
 # section -> (dataclass, {key: (accepted types, human type)})
@@ -212,13 +284,17 @@ _SCHEMAS = {
     "training": (TrainingSpec, {
         "micro_batch_size": _INT, "global_batch_size": _INT, "precision": ((str,), "one of bf16, fp16, fp32"),
         "distributed_optimizer": _BOOL, "recompute": ((str,), "one of none, selective, full"),
-        "sequence_parallel": _BOOL,
+        "sequence_parallel": _BOOL, "virtual_pipeline_stages": _INT, "overlap_grad_reduce": _BOOL,
     }),
     "cluster": (ClusterSpec, {
+        "device": ((str,), f"a device preset ({', '.join(device_names())})"),
         "device_memory_gb": _NUM, "intra_node_gbps": _NUM, "inter_node_gbps": _NUM, "devices_per_node": _INT,
+        "peak_tflops": _NUM, "compute_efficiency": _NUM, "intra_node_latency_us": _NUM,
+        "inter_node_latency_us": _NUM,
     }),
 }
-_OPTIONAL = {"num_query_groups", "ffn_hidden_size", "name", "global_batch_size", "devices_per_node"}
+_OPTIONAL = {"num_query_groups", "ffn_hidden_size", "name", "global_batch_size", "devices_per_node", "device",
+             *PRESET_KEYS, "compute_efficiency"}
 
 
 def section_from_mapping(section: str, data, source: str):
@@ -284,11 +360,14 @@ def workload_from_mapping(data, source: str = "<model>", base: Workload | None =
     model = specs.get("model", base.model)
     if "model" in specs and model.name is None:
         model = replace(model, name=str(data.get("name") or Path(source).stem))
+    section = data.get("cluster")
     return Workload(
         model=model,
         training=specs.get("training", base.training),
         cluster=specs.get("cluster", base.cluster),
         source=source if "model" in specs else base.source,
+        cluster_keys=tuple(k for k, v in section.items() if v is not None) if "cluster" in specs
+        else base.cluster_keys,
     )
 
 

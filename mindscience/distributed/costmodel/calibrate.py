@@ -1,0 +1,135 @@
+"""Cluster values measured by ``msdist verify`` instead of presets: ``--calibrate report.json``.
+
+A verify report (its JSON) holds a compute probe (``compute: {"tflops", "dtype",
+"shape"}``, the slowest rank's dense matmul rate) and bandwidth rows (op, group, size,
+``busbw_gbps``, ``latency_us``, ``crosses_nodes``). :func:`calibrate` turns them into the
+cost model's cluster values:
+
+* ``peak_tflops x compute_efficiency`` = the measured matmul TFLOP/s: the efficiency is
+  ``measured / peak`` (the peak stays the MFU denominator); a device faster than the
+  configured peak raises the peak to the measurement (efficiency 1);
+* ``intra_node_gbps`` / ``inter_node_gbps``: the median busbw, at each (op, group)'s
+  largest measured size, of the groups inside a node / across nodes;
+* ``intra_node_latency_us`` / ``inter_node_latency_us``: the median of the same rows'
+  ``latency_us`` (the time of the smallest size).
+
+What the report lacks (say no group crossed nodes) stays as configured, and
+:func:`cluster_sources` says where every value came from.
+
+Example:
+    >>> from mindscience.distributed.costmodel.spec import ClusterSpec
+    >>> report = {"compute": {"tflops": 0.15, "dtype": "float32", "shape": [1024, 1024, 1024]},
+    ...           "bandwidth": [{"op": "all_reduce", "group": "tp", "bytes": 1024, "busbw_gbps": 0.01,
+    ...                          "latency_us": 900.0, "crosses_nodes": False},
+    ...                         {"op": "all_reduce", "group": "tp", "bytes": 262144, "busbw_gbps": 0.4,
+    ...                          "latency_us": 900.0, "crosses_nodes": False}]}
+    >>> cluster, sources = calibrate(ClusterSpec(device="cpu"), report, "report.json")
+    >>> (cluster.peak_tflops, cluster.compute_efficiency, cluster.intra_node_gbps, cluster.intra_node_latency_us)
+    (0.15, 1.0, 0.4, 900.0)
+    >>> sources["inter_node_gbps"], sources["intra_node_gbps"]
+    ('preset cpu', 'report.json: median busbw of 1 intra-node row(s)')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from statistics import median
+
+from .devices import PRESET_KEYS
+from .errors import ModelFileError
+from .spec import ClusterSpec
+
+SOURCE_KEYS = (*PRESET_KEYS, "compute_efficiency")
+
+
+def cluster_sources(cluster: ClusterSpec, explicit=()) -> dict:
+    """``{key: where its value came from}``: ``"cluster section"``, ``"preset NAME"`` or ``"default"``.
+
+    ``explicit`` names the keys the file's ``cluster:`` section (or an option) set
+    (:attr:`~.spec.Workload.cluster_keys`).
+    """
+    sources = {}
+    for key in SOURCE_KEYS:
+        if key in explicit:
+            sources[key] = "cluster section"
+        elif cluster.device is not None and key != "compute_efficiency":
+            sources[key] = f"preset {cluster.device}"
+        else:
+            sources[key] = "default"
+    return sources
+
+
+def read_report(path: str | os.PathLike) -> dict:
+    """Load a ``msdist verify --format json`` report.
+
+    Raises:
+        ModelFileError: a missing file, not JSON, or neither a ``compute`` nor a
+            ``bandwidth`` section.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            report = json.load(fh)
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: no such file: pass the JSON report of `msdist verify --format json "
+                             "-o report.json`.", path) from None
+    except (OSError, ValueError) as err:
+        raise ModelFileError(f"{path}: not a JSON verify report ({err}): pass the file `msdist verify "
+                             "-o report.json` wrote.", path) from None
+    if not isinstance(report, dict) or not (report.get("compute") or report.get("bandwidth")):
+        raise ModelFileError(f"{path}: holds neither 'compute' nor 'bandwidth' results: run `msdist verify` "
+                             "with its bandwidth checks (the default) and pass its JSON report.", path)
+    return report
+
+
+def _largest_rows(rows: list[dict]) -> list[dict]:
+    largest: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row.get("op"), row.get("group"))
+        if key not in largest or row.get("bytes", 0) > largest[key].get("bytes", 0):
+            largest[key] = row
+    return list(largest.values())
+
+
+def calibrate(cluster: ClusterSpec, report: dict, source: str,
+              sources: dict | None = None) -> tuple[ClusterSpec, dict]:
+    """``cluster`` with the values ``report`` measured, and the updated ``sources``.
+
+    Args:
+        cluster: The configured cluster.
+        report: A verify report (see the module docstring).
+        source: The report's name, for the sources.
+        sources: :func:`cluster_sources` of ``cluster`` (default: computed without a
+            file section).
+
+    Returns:
+        ``(calibrated ClusterSpec, {key: source})``.
+    """
+    sources = dict(sources or cluster_sources(cluster))
+    values = {}
+    compute = report.get("compute") or {}
+    tflops = compute.get("tflops")
+    if isinstance(tflops, (int, float)) and tflops > 0:
+        what = f"{source}: compute.matmul {tflops:.4g} TFLOP/s ({compute.get('dtype', '?')})"
+        if tflops <= cluster.peak_tflops:
+            values["compute_efficiency"] = tflops / cluster.peak_tflops
+            sources["compute_efficiency"] = f"{what} / peak"
+        else:
+            values["peak_tflops"], values["compute_efficiency"] = float(tflops), 1.0
+            sources["peak_tflops"] = f"{what} (above the configured peak)"
+            sources["compute_efficiency"] = f"{what}: 1 of the measured peak"
+    rows = [r for r in report.get("bandwidth") or [] if r.get("busbw_gbps", 0) > 0]
+    for crosses, where in ((False, "intra"), (True, "inter")):
+        picked = [r for r in _largest_rows(rows) if bool(r.get("crosses_nodes")) == crosses]
+        if not picked:
+            continue
+        label = f"{where}-node row(s)"
+        values[f"{where}_node_gbps"] = median(r["busbw_gbps"] for r in picked)
+        sources[f"{where}_node_gbps"] = f"{source}: median busbw of {len(picked)} {label}"
+        latencies = [r["latency_us"] for r in picked if r.get("latency_us")]
+        if latencies:
+            values[f"{where}_node_latency_us"] = median(latencies)
+            sources[f"{where}_node_latency_us"] = f"{source}: median latency of {len(latencies)} {label}"
+    return replace(cluster, **values), sources

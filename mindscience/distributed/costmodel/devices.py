@@ -1,0 +1,61 @@
+"""Device presets for ``cluster.device``: peak compute, memory, link bandwidths and latencies.
+
+A preset fills every ``cluster:`` key the file leaves out; keys written in the file win.
+The figures are nominal (vendor peaks, typical achievable bus bandwidths and small-message
+latencies of NCCL/HCCL rings; sources in docs/COST_MODEL.md, "Device presets"): for
+numbers of your own cluster run ``msdist verify`` there and pass its report to
+``--calibrate``.
+
+    >>> DEVICE_PRESETS["h100-80gb"]["peak_tflops"]
+    989.0
+    >>> sorted(DEVICE_PRESETS)[:2]
+    ['a100-80gb', 'ascend-910b']
+"""
+
+from __future__ import annotations
+
+# peak_tflops: dense bf16/fp16 tensor throughput per device (no sparsity).
+# intra/inter_node_gbps: achievable per-device bus bandwidth (nccl-tests' busbw) inside a
+# node and across nodes; *_latency_us: time of one small collective call.
+DEVICE_PRESETS: dict[str, dict] = {
+    "ascend-910b": {
+        "peak_tflops": 313.0, "device_memory_gb": 64, "intra_node_gbps": 90.0, "inter_node_gbps": 22.0,
+        "intra_node_latency_us": 20.0, "inter_node_latency_us": 40.0,
+        "about": "Huawei Ascend 910B: 313 TFLOPS fp16, 64 GB HBM, HCCS inside a node, 200 Gb/s RoCE per device",
+    },
+    "a100-80gb": {
+        "peak_tflops": 312.0, "device_memory_gb": 80, "intra_node_gbps": 230.0, "inter_node_gbps": 22.0,
+        "intra_node_latency_us": 10.0, "inter_node_latency_us": 25.0,
+        "about": "NVIDIA A100 80GB SXM: 312 TFLOPS bf16, NVLink 3 (600 GB/s), 200 Gb/s HDR InfiniBand per GPU",
+    },
+    "h100-80gb": {
+        "peak_tflops": 989.0, "device_memory_gb": 80, "intra_node_gbps": 360.0, "inter_node_gbps": 45.0,
+        "intra_node_latency_us": 10.0, "inter_node_latency_us": 25.0,
+        "about": "NVIDIA H100 80GB SXM: 989 TFLOPS bf16, NVLink 4 (900 GB/s), 400 Gb/s NDR InfiniBand per GPU",
+    },
+    "h200": {
+        "peak_tflops": 989.0, "device_memory_gb": 140, "intra_node_gbps": 360.0, "inter_node_gbps": 45.0,
+        "intra_node_latency_us": 10.0, "inter_node_latency_us": 25.0,
+        "about": "NVIDIA H200 SXM: 989 TFLOPS bf16, 141 GB HBM3e, NVLink 4, 400 Gb/s NDR InfiniBand per GPU",
+    },
+    "cpu": {
+        "peak_tflops": 0.1, "device_memory_gb": 16, "intra_node_gbps": 0.5, "inter_node_gbps": 0.1,
+        "intra_node_latency_us": 5000.0, "inter_node_latency_us": 10000.0,
+        "about": "MindSpore's CPU backend (a few cores per rank, collectives over loopback): calibrate it",
+    },
+}
+PRESET_KEYS = ("peak_tflops", "device_memory_gb", "intra_node_gbps", "inter_node_gbps",
+               "intra_node_latency_us", "inter_node_latency_us")
+
+
+def device_names() -> list[str]:
+    """The preset names, for ``--help`` and error messages."""
+    return sorted(DEVICE_PRESETS)
+
+
+def describe_devices() -> str:
+    """One line per preset: name, peak TFLOPS, memory, bandwidths (``msdist suggest --help``)."""
+    return "; ".join(
+        f"{name} ({p['peak_tflops']:g} TFLOPS, {p['device_memory_gb']:g} GiB, "
+        f"{p['intra_node_gbps']:g}/{p['inter_node_gbps']:g} GB/s)"
+        for name, p in sorted(DEVICE_PRESETS.items()))

@@ -1,0 +1,170 @@
+"""How long one training step takes: compute, pipeline bubble and exposed communication.
+
+For the busiest pipeline stage of a layout (sources and derivations in docs/COST_MODEL.md,
+"Step time"):
+
+* **compute**: the stage's matmul FLOPs per micro-batch (:func:`layer_forward_flops`,
+  the logits on the last stage), x3 for forward and backward, plus the recomputed
+  forward (``recompute: full``) or attention core (``selective``), split over ``tp * cp``
+  ranks; seconds = FLOPs / (``peak_tflops * compute_efficiency``). ``compute_s`` is
+  ``m`` such slots.
+* **bubble**: 1F1B idles ``(p - 1)`` slots, the interleaved schedule with ``v`` chunks
+  ``(p - 1) / v`` (Narayanan et al. 2021, sec. 2.2): ``bubble_s = compute_s * (p - 1) / (v * m)``.
+* **tp, cp**: every collective of the stage is on the critical path: ``calls * latency +
+  bytes / bandwidth`` (alpha-beta, the bandwidth and latency of the link the group uses).
+* **pp**: each of the ``v * m + p - 1`` slots of the schedule sends one activation forward
+  and one gradient backward on the critical path.
+* **dp**: the dp-cp gradient reduction (reduce-scatter + all-gather with the distributed
+  optimizer); with ``overlap_grad_reduce`` only what exceeds the backward of the last
+  micro-batch is exposed.
+
+``step_time_s`` is the sum of the six exposed terms, so the breakdown adds up.
+``mfu`` is the model's FLOPs per second (no recomputation) over ``world * peak``.
+
+Example: a two-layer toy model on one device of 1 TFLOP/s at full efficiency. One layer
+forward is ``24 s h^2 + 4 s^2 h = 24*8*4^2 + 4*8^2*4 = 4096`` FLOPs, the step three times
+both layers: 24,576 FLOPs, 24.576 ns::
+
+    >>> from mindscience.distributed.costmodel.spec import ClusterSpec, ModelSpec, TrainingSpec
+    >>> toy = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=1, seq_length=8, vocab_size=0)
+    >>> one = TrainingSpec(global_batch_size=1)
+    >>> fast = ClusterSpec(peak_tflops=1, compute_efficiency=1)
+    >>> t = step_time(toy, one, fast, tp=1, cp=1, pp=1, dp=1)
+    >>> round(t["step_time_s"] * 1e9, 3), round(t["mfu"], 9)
+    (24.576, 1.0)
+"""
+
+from __future__ import annotations
+
+from .comm import traffic
+from .memory import BYTES, num_microbatches, pipeline_bubble
+from .spec import ClusterSpec, ModelSpec, TrainingSpec
+
+TERMS = ("compute_s", "bubble_s", "tp_s", "cp_s", "pp_s", "dp_s")
+
+
+def layer_forward_flops(model: ModelSpec, tokens: int, context: int) -> dict:
+    """Forward matmul FLOPs of one layer for ``tokens`` queries attending to ``context`` keys.
+
+    ``{"linear": ..., "attention": ...}``: the projections and the MLP
+    (``2*tokens*h*(h + 2*g*k)`` for q, k, v, ``2*tokens*h^2`` for the output projection,
+    ``4*tokens*h*f`` for the MLP) and the two attention-score matmuls
+    (``4*tokens*context*h``: ``Q K^T`` and ``P V``). With ``g = a``, ``f = 4h`` and
+    ``tokens = context = s`` the sum is Narayanan's ``24 s h^2 + 4 s^2 h``.
+
+        >>> m = ModelSpec(num_layers=1, hidden_size=4, num_attention_heads=2, seq_length=8, vocab_size=0)
+        >>> layer_forward_flops(m, 8, 8)
+        {'linear': 3072, 'attention': 1024}
+    """
+    h, f = model.hidden_size, model.ffn_hidden_size
+    kv = 2 * model.num_query_groups * model.kv_channels
+    linear = 2 * tokens * h * (h + kv) + 2 * tokens * h * h + 4 * tokens * h * f
+    return {"linear": linear, "attention": 4 * tokens * context * h}
+
+
+def logits_forward_flops(model: ModelSpec, tokens: int) -> int:
+    """The output layer's forward, ``2 * tokens * h * v`` (0 without a vocabulary)."""
+    return 2 * tokens * model.hidden_size * model.vocab_size
+
+
+def model_flops_per_sample(model: ModelSpec) -> int:
+    """Model FLOPs of one sample's forward and backward, without recomputation (for MFU).
+
+    ``3 * (l * (24 s h^2 + 4 s^2 h) + 2 s h v)`` for a GPT model, i.e. Korthikanti et al.'s
+    ``72 s l h^2 (1 + s/(6h) + v/(12 l h))``.
+    """
+    s = model.seq_length
+    layer = layer_forward_flops(model, s, s)
+    return 3 * (model.num_layers * (layer["linear"] + layer["attention"]) + logits_forward_flops(model, s))
+
+
+def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int) -> dict:
+    """FLOPs one rank of the busiest stage runs per micro-batch: ``{"forward", "backward", "total"}``.
+
+    The backward is twice the forward, plus what is recomputed before it: the layers'
+    forward (``full``) or their attention-score matmuls (``selective``). The last stage
+    adds the logits, so it is the busiest whenever there is a vocabulary.
+    """
+    b, s = training.micro_batch_size, model.seq_length
+    layer = layer_forward_flops(model, b * s // cp, s)
+    layers = model.num_layers // pp
+    forward = layers * (layer["linear"] + layer["attention"]) / tp
+    recomputed = {"none": 0, "selective": layers * layer["attention"] / tp, "full": forward}[training.recompute]
+    forward_last = forward + logits_forward_flops(model, b * s // cp) / tp
+    backward_last = 2 * forward_last + recomputed
+    return {"forward": forward_last, "backward": backward_last, "total": forward_last + backward_last}
+
+
+def _link(cluster: ClusterSpec, crosses: bool) -> tuple[float, float]:
+    """(bytes per second, seconds per call) of a group's link."""
+    if crosses:
+        return cluster.inter_node_gbps * 1e9, cluster.inter_node_latency_us * 1e-6
+    return cluster.intra_node_gbps * 1e9, cluster.intra_node_latency_us * 1e-6
+
+
+def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, crosses: bool) -> float:
+    """Alpha-beta time of a group's rows from :func:`~.comm.traffic`: ``calls * latency + bytes / bandwidth``."""
+    bandwidth, latency = _link(cluster, crosses)
+    return sum(r["count"] * latency + r["bytes"] / bandwidth for r in rows if r["group"] == group)
+
+
+def pipeline_slots(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """Schedule slots on the critical path: ``v * m + p - 1`` (each a chunk's forward + backward)."""
+    return virtual_stages * microbatches + pp - 1 if pp > 1 else microbatches
+
+
+def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp: int, cp: int, pp: int, dp: int,
+              crossing: dict | None = None, rows: list[dict] | None = None) -> dict:
+    """The step time of one layout and its exposed breakdown.
+
+    Args:
+        model, training, cluster: The workload.
+        tp, cp, pp, dp: Axis sizes.
+        crossing: ``{group key: spans nodes}`` for ``tp``, ``cp``, ``pp`` and ``dp-cp``
+            (from :func:`~.comm.crossing_flags`); missing keys stay inside a node.
+        rows: :func:`~.comm.traffic` of these sizes, when the caller has it already.
+
+    Returns:
+        ``{"step_time_s", "breakdown": {compute_s, bubble_s, tp_s, cp_s, pp_s, dp_s},
+        "tokens_per_s", "mfu", "model_flops_per_step", "microbatches", "virtual_stages",
+        "pipeline_bubble", "slot_s", "dp_reduce_s"}`` (``dp_reduce_s``: the whole gradient
+        reduction, of which ``dp_s`` is exposed).
+    """
+    crossing = crossing or {}
+    world = tp * cp * pp * dp
+    m = num_microbatches(training, dp, world)
+    v = training.virtual_pipeline_stages if pp > 1 else 1
+    rows = traffic(model, training, tp, cp, pp, dp) if rows is None else rows
+    flops = stage_slot_flops(model, training, tp, cp, pp)
+    rate = cluster.effective_flops
+    slot = flops["total"] / rate
+    compute = m * slot
+    bubble = compute * pipeline_bubble(pp, m, v) if pp > 1 else 0.0
+    tp_s = collective_seconds(rows, "tp", cluster, bool(crossing.get("tp")))
+    cp_s = collective_seconds(rows, "cp", cluster, bool(crossing.get("cp")))
+    pp_s = 0.0
+    if pp > 1:
+        bandwidth, latency = _link(cluster, bool(crossing.get("pp")))
+        sp = training.sequence_parallel and tp > 1
+        message = model.seq_length // cp * training.micro_batch_size * model.hidden_size
+        message = message * BYTES[training.precision]["activation"] // (tp if sp else 1)
+        pp_s = 2 * pipeline_slots(pp, m, v) * (latency + message / bandwidth)
+    dp_reduce = collective_seconds(rows, "dp-cp", cluster, bool(crossing.get("dp-cp")))
+    hidden = flops["backward"] / rate if training.overlap_grad_reduce else 0.0
+    dp_s = max(0.0, dp_reduce - hidden)
+    breakdown = {"compute_s": compute, "bubble_s": bubble, "tp_s": tp_s, "cp_s": cp_s, "pp_s": pp_s, "dp_s": dp_s}
+    total = sum(breakdown.values())
+    samples = m * training.micro_batch_size * dp
+    model_flops = samples * model_flops_per_sample(model)
+    return {
+        "step_time_s": total,
+        "breakdown": breakdown,
+        "tokens_per_s": samples * model.seq_length / total,
+        "mfu": model_flops / total / (world * cluster.peak_tflops * 1e12),
+        "model_flops_per_step": model_flops,
+        "microbatches": m,
+        "virtual_stages": v,
+        "pipeline_bubble": pipeline_bubble(pp, m, v),
+        "slot_s": slot,
+        "dp_reduce_s": dp_reduce,
+    }
