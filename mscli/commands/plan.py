@@ -34,6 +34,35 @@ def workload_for(path, sections: dict, model: Optional[str]):
     return workload if workload.model is not None else None
 
 
+def apply_cluster(workload, device: Optional[str] = None, device_memory_gb: Optional[float] = None,
+                  calibrate: Optional[str] = None):
+    """The workload with the command line's cluster options, and where each cluster value came from.
+
+    ``--device`` re-fills from its preset every value the file did not set;
+    ``--device-memory-gb`` overrides the memory; ``--calibrate report.json`` takes compute,
+    bandwidths and latencies from a ``msdist verify`` report. Returns ``(workload,
+    sources)`` (:func:`~mindscience.distributed.costmodel.calibrate.cluster_sources`).
+    """
+    from dataclasses import replace
+
+    from mindscience.distributed.costmodel.calibrate import calibrate as calibrated, cluster_sources, read_report
+    from mindscience.distributed.costmodel.spec import ClusterSpec
+
+    cluster, explicit = workload.cluster, set(workload.cluster_keys)
+    if device is not None:
+        kept = {k: getattr(cluster, k) for k in explicit if k != "device"}
+        cluster = ClusterSpec(device=device, **kept)
+    sources = cluster_sources(cluster, explicit)
+    if device_memory_gb is not None:
+        if not device_memory_gb > 0:
+            raise UsageError(f"--device-memory-gb {device_memory_gb} is invalid: expected a number of GiB > 0.")
+        cluster = replace(cluster, device_memory_gb=device_memory_gb)
+        sources["device_memory_gb"] = "--device-memory-gb"
+    if calibrate is not None:
+        cluster, sources = calibrated(cluster, read_report(calibrate), calibrate, sources)
+    return replace(workload, cluster=cluster), sources
+
+
 def hccl_buffsize(value: Optional[int]) -> int:
     """``--hccl-buffsize``, else the ``HCCL_BUFFSIZE`` variable, else 200 (MB)."""
     if value is not None:
@@ -96,6 +125,10 @@ def plan(
         help="Model file or preset (gpt3-175b, gqa-7b, sci-transformer-s): adds per-stage memory and "
         "per-step communication estimates. A 'model:' section in the layout file does the same.",
     ),
+    calibrate: Optional[str] = typer.Option(
+        None, "--calibrate", help="A `msdist verify --format json` report: take compute TFLOP/s, bandwidths "
+        "and latencies from it (what it lacks stays as configured; the output says which came from where).",
+    ),
 ) -> None:
     """Print the rank-to-group plan of a layout (no device, no MindSpore needed)."""
     with user_errors():
@@ -110,10 +143,14 @@ def plan(
             data = rank_plan(spec, rank, extra, buffsize)
         else:
             data = build_plan(spec, extra, buffsize)
+        if workload is None and calibrate is not None:
+            raise UsageError("--calibrate needs a model: add --model FILE or a 'model:' section to the layout.")
         if workload is not None:
             from mindscience.distributed.costmodel import estimate
 
+            workload, sources = apply_cluster(workload, calibrate=calibrate)
             data.update(estimate(spec, workload, buffsize))
+            data["model"]["cluster_sources"] = sources
         if svg_table:
             check_output_folder("--svg-table", svg_table)
         picture = _picture(data, spec, extra, buffsize, rank, svg, png, color_by)
