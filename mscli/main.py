@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 
+from .commands.checkpoint import app as checkpoint_app
 from .commands.plan import plan
 from .commands.suggest import suggest
 
@@ -21,6 +22,7 @@ app = typer.Typer(
 
 app.command("plan")(plan)
 app.command("suggest")(suggest)
+app.add_typer(checkpoint_app, name="checkpoint")
 
 
 @app.command("layouts")
