@@ -195,7 +195,7 @@ def render_suggest(result: dict, model_name: str) -> None:
     table.caption = Text(
         "ranked by estimated step time (compute + pipeline bubble + exposed communication), then peak memory; "
         f"bottleneck: the group communicating longest. #1: {breakdown_text(candidates[0])}"
-        + (f". Rejected sizes: {rejected}" if rejected else ""))
+        + (f"; rejected sizes: {rejected}" if rejected else ""))
     console = stdout_console()
     console.print(table)
     if "cluster" in result:

@@ -16,7 +16,8 @@ runner = CliRunner()
 STAGE_KEYS = {"stage", "layers", "parameters", "weights_bytes", "gradients_bytes", "optimizer_bytes",
               "activations_bytes", "communicator_bytes", "total_bytes"}
 STEP_KEYS = {"group", "op", "bytes", "count", "crosses_nodes", "est_time_s"}
-CANDIDATE_KEYS = {"tp", "cp", "dp", "pp", "order", "peak_bytes", "fits", "est_time_s", "bottleneck"}
+CANDIDATE_KEYS = {"tp", "cp", "dp", "pp", "order", "peak_bytes", "fits", "est_time_s", "bottleneck",
+                  "step_time_s", "breakdown", "tokens_per_s", "mfu", "micro_batch_size", "pipeline_bubble"}
 SMALL_MODEL = """\
 model:
   num_layers: 4
@@ -66,11 +67,13 @@ def test_plan_model_json_keys_and_values():
 
 def test_plan_model_tables_in_human_view_and_svg(tmp_path):
     svg = tmp_path / "plan.svg"
-    result = invoke("plan", "ascend-64", "-m", "gpt3-175b", "--svg", svg)
+    # --svg-table saves the terminal tables (--svg draws the device grid, tests/test_pictures.py).
+    result = invoke("plan", "ascend-64", "-m", "gpt3-175b", "--svg-table", svg)
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "memory per rank: gpt3-175b" in out and "does NOT fit" in out
     assert "communication per step" in out and "bottleneck: tp" in out
+    assert "step time (busiest stage)" in out and "tokens/s, MFU" in out
     text = svg.read_text()
     assert "memory" in text and "communication" in text and "bottleneck" in text
 

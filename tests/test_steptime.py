@@ -1,0 +1,286 @@
+"""The step-time model (costmodel/steptime.py), device presets and calibration, against hand-computed values.
+
+The toy model: 2 layers, h = 4, one head (k = 4, g = 1), s = 8, f = 16, no vocabulary.
+One layer's forward: q/k/v 2*8*4*(4 + 8) = 768, output projection 2*8*4*4 = 256, MLP
+4*8*4*16 = 2048, attention scores 4*8*8*4 = 1024: 4,096 FLOPs (= 24 s h^2 + 4 s^2 h).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mindscience.distributed.costmodel import ModelError, estimate, suggest
+from mindscience.distributed.costmodel.calibrate import calibrate, cluster_sources
+from mindscience.distributed.costmodel.devices import DEVICE_PRESETS
+from mindscience.distributed.costmodel.spec import ClusterSpec, ModelSpec, TrainingSpec, Workload
+from mindscience.distributed.costmodel.steptime import (
+    layer_forward_flops,
+    model_flops_per_sample,
+    stage_slot_flops,
+    step_time,
+)
+from mindscience.distributed.topology import Layout
+from mscli.main import app
+
+TOY = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=1, seq_length=8, vocab_size=0)
+# 1 TFLOP/s reached exactly, 1 GB/s links of 10 us (inside a node) / 4 GB/s... set per test.
+UNIT = dict(peak_tflops=1, compute_efficiency=1, intra_node_gbps=1, inter_node_gbps=0.5,
+            intra_node_latency_us=10, inter_node_latency_us=100)
+LAYER = 4096  # forward FLOPs of one toy layer
+
+
+def cluster(**kw):
+    return ClusterSpec(**{**UNIT, **kw})
+
+
+def test_layer_flops_by_hand():
+    assert layer_forward_flops(TOY, 8, 8) == {"linear": 768 + 256 + 2048, "attention": 1024}
+    # Grouped-query attention: 2 query heads of k = 2 sharing one k/v group -> q/k/v 2*8*4*(4 + 4).
+    gqa = ModelSpec(num_layers=1, hidden_size=4, num_attention_heads=2, num_query_groups=1, seq_length=8,
+                    vocab_size=0)
+    assert layer_forward_flops(gqa, 8, 8)["linear"] == 2 * 8 * 4 * 8 + 256 + 2048
+    # With a vocabulary the logits add 2 s h v forward: 3 * (2 layers + 2*8*4*10) per sample.
+    with_vocab = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=1, seq_length=8, vocab_size=10)
+    assert model_flops_per_sample(with_vocab) == 3 * (2 * LAYER + 640)
+    # Narayanan's 72 s l h^2 (1 + s/(6h) + v/(12 l h)) for GPT-3 175B, per sample.
+    gpt3 = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, vocab_size=51200)
+    s, l, h, v = 2048, 96, 12288, 51200
+    assert model_flops_per_sample(gpt3) == pytest.approx(72 * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)))
+
+
+def test_two_layer_toy_compute_mfu_and_tokens():
+    one = TrainingSpec(global_batch_size=1)
+    t = step_time(TOY, one, cluster(), tp=1, cp=1, pp=1, dp=1)
+    # forward + backward = 3 x 2 layers x 4096 FLOPs at 1e12 FLOP/s.
+    assert t["breakdown"]["compute_s"] == pytest.approx(3 * 2 * LAYER / 1e12)
+    assert t["step_time_s"] == pytest.approx(24576e-12)
+    assert t["tokens_per_s"] == pytest.approx(8 / 24576e-12)
+    assert t["mfu"] == pytest.approx(1.0)
+    # Half the efficiency: twice the time, half the MFU (the peak stays the denominator).
+    slow = step_time(TOY, one, cluster(compute_efficiency=0.5), tp=1, cp=1, pp=1, dp=1)
+    assert slow["step_time_s"] == pytest.approx(2 * 24576e-12) and slow["mfu"] == pytest.approx(0.5)
+
+
+def test_recomputation_adds_forward_work_but_not_model_flops():
+    full = step_time(TOY, TrainingSpec(global_batch_size=1, recompute="full"), cluster(), 1, 1, 1, 1)
+    assert full["breakdown"]["compute_s"] == pytest.approx(4 * 2 * LAYER / 1e12)
+    assert full["mfu"] == pytest.approx(0.75)  # model FLOPs are 3 passes of 4
+    selective = stage_slot_flops(TOY, TrainingSpec(recompute="selective"), tp=1, cp=1, pp=1)
+    assert selective["total"] == 3 * 2 * LAYER + 2 * 1024  # the attention-score matmuls again
+
+
+def test_1f1b_bubble_and_sends():
+    # pp = 2: one layer per stage; m = 4 micro-batches; slot = 3 x 4096 FLOPs.
+    four = TrainingSpec(global_batch_size=4, sequence_parallel=False)
+    t = step_time(TOY, four, cluster(), tp=1, cp=1, pp=2, dp=1)
+    slot = 3 * LAYER / 1e12
+    assert t["breakdown"]["compute_s"] == pytest.approx(4 * slot)
+    assert t["breakdown"]["bubble_s"] == pytest.approx(4 * slot * (2 - 1) / 4)  # (m + p - 1) slots in all
+    # (m + p - 1) = 5 slots, each one activation forward and one gradient back of s*b*h*2 = 64 bytes.
+    assert t["breakdown"]["pp_s"] == pytest.approx(2 * 5 * (10e-6 + 64 / 1e9))
+    assert t["pipeline_bubble"] == pytest.approx(0.25)
+    assert t["step_time_s"] == pytest.approx(sum(t["breakdown"].values()))
+
+
+def test_interleaved_bubble_is_divided_by_the_chunks():
+    model = ModelSpec(num_layers=8, hidden_size=4, num_attention_heads=1, seq_length=8, vocab_size=0)
+    plain = TrainingSpec(global_batch_size=4, sequence_parallel=False)
+    inter = TrainingSpec(global_batch_size=4, sequence_parallel=False, virtual_pipeline_stages=2)
+    a = step_time(model, plain, cluster(), tp=1, cp=1, pp=2, dp=1)
+    b = step_time(model, inter, cluster(), tp=1, cp=1, pp=2, dp=1)
+    assert a["breakdown"]["compute_s"] == pytest.approx(b["breakdown"]["compute_s"])
+    assert b["breakdown"]["bubble_s"] == pytest.approx(b["breakdown"]["compute_s"] * 1 / (2 * 4))
+    assert b["breakdown"]["bubble_s"] == pytest.approx(a["breakdown"]["bubble_s"] / 2)
+    # v*m + p - 1 = 9 chunk slots send on the critical path (1F1B: 5).
+    assert b["breakdown"]["pp_s"] == pytest.approx(2 * 9 * (10e-6 + 64 / 1e9))
+
+
+def test_tp_latency_and_bandwidth_terms():
+    one = TrainingSpec(global_batch_size=1, sequence_parallel=False)
+    t = step_time(TOY, one, cluster(), tp=2, cp=1, pp=1, dp=1)
+    # 4 all-reduces per layer x 2 layers of s*b*h*2 = 64 bytes, each sending 64 * 2(2-1)/2 bytes.
+    assert t["breakdown"]["tp_s"] == pytest.approx(8 * 10e-6 + 8 * 64 / 1e9)
+    assert t["breakdown"]["compute_s"] == pytest.approx(3 * 2 * LAYER / 2 / 1e12)
+    # Across nodes the same calls pay the inter-node latency and bandwidth.
+    far = step_time(TOY, one, cluster(), tp=2, cp=1, pp=1, dp=1, crossing={"tp": True})
+    assert far["breakdown"]["tp_s"] == pytest.approx(8 * 100e-6 + 8 * 64 / 0.5e9)
+
+
+def test_gradient_reduction_overlap_on_and_off():
+    # dp = 2, one micro-batch each: an all-reduce of the 2-layer model's fp32 gradients.
+    # 2 layers x (qkv 4*12 + 12, out 16, MLP 2*4*16 + 16, biases and layernorms 6*4), positions 8*4, final norm 2*4.
+    params = 2 * (4 * (4 + 8) + (4 + 8) + 16 + 2 * 4 * 16 + 16 + 6 * 4) + 8 * 4 + 2 * 4
+    reduce = 10e-6 + params * 4 * 2 * (2 - 1) / 2 / 1e9
+    backward = 2 * 2 * LAYER / 1e12
+    on = step_time(TOY, TrainingSpec(global_batch_size=2), cluster(), tp=1, cp=1, pp=1, dp=2)
+    off = step_time(TOY, TrainingSpec(global_batch_size=2, overlap_grad_reduce=False), cluster(), 1, 1, 1, 2)
+    assert off["breakdown"]["dp_s"] == pytest.approx(reduce)
+    assert on["breakdown"]["dp_s"] == pytest.approx(max(0.0, reduce - backward))
+    assert on["dp_reduce_s"] == pytest.approx(reduce)
+    # A backward longer than the reduction hides all of it.
+    slow = step_time(TOY, TrainingSpec(global_batch_size=2), cluster(peak_tflops=1e-9), 1, 1, 1, 2)
+    assert slow["breakdown"]["dp_s"] == 0.0
+
+
+def test_estimate_time_section_matches_step_time():
+    layout = Layout(world_size=4, tp=2, pp=2)
+    workload = Workload(model=ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                        vocab_size=128), cluster=cluster())
+    time = estimate(layout, workload)["time"]
+    assert set(time["breakdown"]) == {"compute_s", "bubble_s", "tp_s", "cp_s", "pp_s", "dp_s"}
+    assert sum(time["breakdown"].values()) == pytest.approx(time["step_time_s"])
+    assert 0 < time["mfu"] < 1 and time["tokens_per_s"] > 0
+
+
+# ------------------------------------------------------------------ presets
+def test_device_presets_fill_and_explicit_keys_win():
+    for name in ("ascend-910b", "a100-80gb", "h100-80gb", "h200", "cpu"):
+        c = ClusterSpec(device=name)
+        assert c.peak_tflops == DEVICE_PRESETS[name]["peak_tflops"]
+        assert c.intra_node_latency_us == DEVICE_PRESETS[name]["intra_node_latency_us"]
+    c = ClusterSpec(device="h100-80gb", peak_tflops=500, compute_efficiency=0.4)
+    assert (c.peak_tflops, c.compute_efficiency, c.device_memory_gb) == (500, 0.4, 80)
+    assert ClusterSpec().peak_tflops == 300 and ClusterSpec().compute_efficiency == 0.5
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(device="tpu-v9"), "device='tpu-v9' is invalid: expected one of a100-80gb"),
+    (dict(compute_efficiency=1.5), "compute_efficiency=1.5 is invalid: expected a fraction"),
+    (dict(peak_tflops=0), "peak_tflops=0 is invalid"),
+    (dict(inter_node_latency_us=-1), "inter_node_latency_us=-1 is invalid"),
+])
+def test_bad_cluster_values(kwargs, fragment):
+    with pytest.raises(ModelError, match=fragment):
+        ClusterSpec(**kwargs)
+
+
+# ------------------------------------------------------------------ calibration
+REPORT = {
+    "compute": {"tflops": 0.05, "dtype": "float32", "shape": [1024, 1024, 1024]},
+    "bandwidth": [
+        {"op": "all_reduce", "group": "tp", "bytes": 1024, "busbw_gbps": 0.001, "latency_us": 800.0,
+         "crosses_nodes": False},
+        {"op": "all_reduce", "group": "tp", "bytes": 262144, "busbw_gbps": 0.2, "latency_us": 800.0,
+         "crosses_nodes": False},
+        {"op": "all_gather", "group": "cp", "bytes": 262144, "busbw_gbps": 0.4, "latency_us": 1000.0,
+         "crosses_nodes": False},
+        {"op": "all_gather", "group": "dp", "bytes": 262144, "busbw_gbps": 0.6, "latency_us": 1200.0,
+         "crosses_nodes": False},
+    ],
+}
+
+
+def test_calibrate_takes_compute_bandwidth_and_latency_from_the_report():
+    base = ClusterSpec(device="cpu", inter_node_gbps=0.05)
+    sources = cluster_sources(base, explicit=("inter_node_gbps",))
+    got, where = calibrate(base, REPORT, "r.json", sources)
+    assert got.compute_efficiency == pytest.approx(0.05 / 0.1) and got.peak_tflops == 0.1
+    assert got.intra_node_gbps == pytest.approx(0.4)  # the median of the largest rows 0.2, 0.4, 0.6
+    assert got.intra_node_latency_us == pytest.approx(1000.0)
+    assert got.inter_node_gbps == 0.05 and where["inter_node_gbps"] == "cluster section"  # no cross-node row
+    assert where["intra_node_gbps"] == "r.json: median busbw of 3 intra-node row(s)"
+    assert where["compute_efficiency"].startswith("r.json: compute.matmul 0.05 TFLOP/s")
+    assert where["device_memory_gb"] == "preset cpu"
+
+
+# ------------------------------------------------------------------ suggest
+def test_suggest_orders_by_step_time_and_first_sci_layout_has_a_small_bubble():
+    from mindscience.distributed.costmodel import load_workload
+    from mscli.layouts import bundled_models
+
+    result = suggest(load_workload(bundled_models()["sci-transformer-s"]), world_size=64)
+    times = [c["step_time_s"] for c in result["candidates"]]
+    assert times == sorted(times)
+    best = result["candidates"][0]
+    assert best["pipeline_bubble"] <= 0.1 and best["breakdown"]["bubble_s"] <= 0.1 * best["step_time_s"]
+    # The old first choice, tp1 dp8 pp8 with an 87.5 % bubble, is far down: its bubble costs 0.875 of its compute.
+    ranked = [(c["tp"], c["cp"], c["dp"], c["pp"]) for c in result["candidates"]]
+    old = result["candidates"][ranked.index((1, 1, 8, 8))]
+    assert old["breakdown"]["bubble_s"] == pytest.approx(0.875 * old["breakdown"]["compute_s"])
+    assert ranked.index((1, 1, 8, 8)) > 20 and old["step_time_s"] > 1.5 * best["step_time_s"]
+
+
+def test_suggest_fix_micro_batches_and_virtual_stages():
+    model = ModelSpec(num_layers=16, hidden_size=256, num_attention_heads=8, seq_length=512, vocab_size=1024)
+    workload = Workload(model=model, training=TrainingSpec(global_batch_size=64))
+    fixed = suggest(workload, 16, fix={"tp": 2, "cp": 1})["candidates"]
+    assert fixed and all(c["tp"] == 2 and c["cp"] == 1 for c in fixed)
+    searched = suggest(workload, 16, micro_batch_sizes=[1, 2, 4])["candidates"]
+    for c in searched[:5]:
+        times = []
+        for b in (1, 2, 4):
+            train = TrainingSpec(global_batch_size=64, micro_batch_size=b)
+            layout = Layout(world_size=16, tp=c["tp"], cp=c["cp"], pp=c["pp"], order=c["order"], devices_per_node=8)
+            times.append(estimate(layout, Workload(model=model, training=train))["time"]["step_time_s"])
+        assert c["step_time_s"] == pytest.approx(min(times)) and c["micro_batch_size"] in (1, 2, 4)
+    interleaved = suggest(workload, 16, fix={"pp": 4, "tp": 1, "cp": 1}, virtual_stages=2)["candidates"][0]
+    plain = suggest(workload, 16, fix={"pp": 4, "tp": 1, "cp": 1})["candidates"][0]
+    assert interleaved["virtual_stages"] == 2
+    assert interleaved["pipeline_bubble"] == pytest.approx(plain["pipeline_bubble"] / 2)
+    with pytest.raises(ModelError, match="--fix tp=3 is invalid"):
+        suggest(workload, 16, fix={"tp": 3})
+    with pytest.raises(ModelError, match="--fix zp=2"):
+        suggest(workload, 16, fix={"zp": 2})
+
+
+# ------------------------------------------------------------------ CLI
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_cli_suggest_json_has_the_step_time_and_sources(tmp_path):
+    result = invoke("suggest", "-m", "gqa-7b", "-w", 64, "--device", "h100-80gb", "--micro-batch-sizes", "1,2",
+                    "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    c = data["candidates"][0]
+    assert {"step_time_s", "breakdown", "tokens_per_s", "mfu", "micro_batch_size", "est_time_s", "bottleneck"} <= set(c)
+    assert data["cluster"]["peak_tflops"] == 989.0 and data["cluster_sources"]["peak_tflops"] == "preset h100-80gb"
+    human = invoke("suggest", "-m", "gqa-7b", "-w", 64, "--fix", "tp=2")
+    assert human.exit_code == 0, human.output
+    assert "step time" in human.stdout and "MFU" in human.stdout and "tokens/s" in human.stdout
+
+
+def test_cli_calibrate_plan_and_suggest(tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(REPORT))
+    plan = invoke("plan", "cpu-4", "-m", "sci-transformer-s", "--calibrate", report, "--format", "json")
+    assert plan.exit_code == 0, plan.output
+    data = json.loads(plan.stdout)
+    assert data["model"]["cluster"]["intra_node_gbps"] == pytest.approx(0.4)
+    assert data["model"]["cluster_sources"]["intra_node_gbps"].startswith(str(report))
+    human = invoke("plan", "cpu-4", "-m", "sci-transformer-s", "--calibrate", report)
+    assert "step time" in human.stdout and "sources:" in human.stdout and str(report) in human.stdout
+    result = invoke("suggest", "-m", "sci-transformer-s", "-w", 8, "--calibrate", report, "--format", "json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["cluster"]["intra_node_latency_us"] == 1000.0
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--fix", "tp=two"), "--fix 'tp=two' is invalid"),
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--micro-batch-sizes", "0,2"), "--micro-batch-sizes '0,2' is invalid"),
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--virtual-stages", 0), "--virtual-stages 0 is invalid"),
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--device", "tpu"), "device='tpu' is invalid"),
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--calibrate", "/nonexistent.json"), "no such file"),
+    (("plan", "cpu-4", "--calibrate", "x.json"), "--calibrate needs a model"),
+])
+def test_cli_bad_options_are_one_line(args, fragment):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert fragment in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_bad_cluster_key_in_a_model_file(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model:\n  num_layers: 2\n  hidden_size: 8\n  num_attention_heads: 2\n  seq_length: 8\n"
+                    "  vocab_size: 0\ncluster:\n  device: h100\n")
+    result = invoke("suggest", "-m", path, "-w", 4)
+    assert result.exit_code == 2 and "cluster.device='h100' is invalid" in result.stderr
+    path.write_text(path.read_text().replace("device: h100", "compute_efficiency: 2"))
+    result = invoke("suggest", "-m", path, "-w", 4)
+    assert result.exit_code == 2 and "cluster.compute_efficiency=2 is invalid" in result.stderr
