@@ -3,6 +3,7 @@ progress bar (Rich, on stderr, shown only for long work on a terminal)."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 from rich.panel import Panel
@@ -59,7 +60,7 @@ def _layout(lay) -> str:
 def render_inspect(data: dict, fmt: str, show_all: bool = False) -> None:
     if fmt == "json":
         print_json(data)
-        return
+        return _problems(data)
     console = stdout_console()
     verdict = Text("OK", style="bold green") if data["ok"] else Text(
         "INCOMPLETE" if not data["complete"] else "CORRUPT", style="bold red")
@@ -95,8 +96,13 @@ def render_inspect(data: dict, fmt: str, show_all: bool = False) -> None:
             table.add_row(f["file"], str(f.get("rank", "")), human_bytes(f.get("bytes")),
                           f.get("crc32") or "", Text(f.get("status", ""), style=style))
         console.print(table)
+    _problems(data)
+
+
+def _problems(data: dict) -> None:
+    # One plain line per problem (no wrapping), on stderr, whatever the format.
     for problem in data["problems"]:
-        stderr_console().print(Text("problem: ", style="bold red") + Text(problem))
+        sys.stderr.write(f"msdist: problem: {' '.join(problem.split())}\n")
 
 
 def render_written(data: dict, fmt: str) -> None:

@@ -50,7 +50,7 @@ def write_rank(tmp: str, rank: int, stage: int, items, chunks=None) -> dict:
     ``array`` the local tensor (numpy, BF16 as uint16 bits), or None when ``chunks`` is
     given: ``chunks(name)`` then yields the local tensor's C-ordered chunks.
     """
-    items = list(items)
+    items = sorted(items, key=lambda item: item[0])  # same bytes whoever writes the layout
     part = {"rank": rank, "stage": stage, "file": None, "bytes": 0, "crc32": None, "params": {}}
     if items:
         from .plan import local_shape
