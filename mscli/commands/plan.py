@@ -9,7 +9,7 @@ import typer
 
 from mindscience.distributed.topology.plan import DEFAULT_HCCL_BUFFSIZE_MB, build_plan, rank_plan
 
-from .. import pictures, render, render_cost
+from .. import pictures, render, render_cost, render_schedule
 from ..errors import UsageError, check_format, check_output_folder, user_errors
 from ..layouts import load_with_sections, resolve_model
 
@@ -98,6 +98,24 @@ def _picture(data, spec, extra, buffsize, rank, svg, png, color_by):
     return whole, outputs, pictures.color_axis(whole, color_by), rank
 
 
+def _pipeline_data(data, spec, schedule, microbatches, virtual_stages) -> None:
+    """The embedding groups (pp > 1) and, with ``--schedule``, the schedule data."""
+    from mindscience.distributed.pipeline.plan import embedding_groups, schedule_data
+    from mindscience.distributed.pipeline.schedules import ScheduleError
+
+    if spec.pp > 1:
+        data["embedding_groups"] = embedding_groups(spec)
+    if schedule is None:
+        if virtual_stages != 1 or microbatches != 8:
+            raise UsageError("--microbatches and --virtual-stages describe a schedule: add --schedule "
+                             "1f1b, gpipe or interleaved.")
+        return
+    try:
+        data["schedule"] = schedule_data(spec.pp, schedule, microbatches, virtual_stages)
+    except ScheduleError as err:
+        raise UsageError(f"--schedule: {err}") from None
+
+
 def plan(
     layout: Optional[str] = typer.Argument(
         None, help="Layout YAML file or bundled layout name (default: the 4-rank CPU layout)."
@@ -125,6 +143,12 @@ def plan(
         help="Model file or preset (gpt3-175b, gqa-7b, sci-transformer-s): adds per-stage memory and "
         "per-step communication estimates. A 'model:' section in the layout file does the same.",
     ),
+    schedule: Optional[str] = typer.Option(
+        None, "--schedule", help="Pipeline schedule to show: 1f1b, gpipe or interleaved (per-stage "
+        "timeline, bubble, activations in flight; JSON key 'schedule')."),
+    microbatches: int = typer.Option(8, "--microbatches", help="Micro-batches per step for --schedule."),
+    virtual_stages: int = typer.Option(
+        1, "--virtual-stages", help="Model chunks per pipeline rank for --schedule interleaved."),
     calibrate: Optional[str] = typer.Option(
         None, "--calibrate", help="A `msdist verify --format json` report: take compute TFLOP/s, bandwidths "
         "and latencies from it (what it lacks stays as configured; the output says which came from where).",
@@ -151,12 +175,15 @@ def plan(
             workload, sources = apply_cluster(workload, calibrate=calibrate)
             data.update(estimate(spec, workload, buffsize))
             data["model"]["cluster_sources"] = sources
+        _pipeline_data(data, spec, schedule, microbatches, virtual_stages)
         if svg_table:
             check_output_folder("--svg-table", svg_table)
         picture = _picture(data, spec, extra, buffsize, rank, svg, png, color_by)
     # With --format json the pictures still show the human view; only stdout changes.
     echo = fmt == "rich"
     tables = render_cost.cost_view(data, show_all) if (echo or svg_table) else []
+    if echo or svg_table:
+        tables += render_schedule.schedule_view(data)
     if rank is not None:
         render.render_rank(data, svg_table, echo=echo, extra=tables)
     else:
