@@ -308,6 +308,13 @@ def render_verify(report: dict) -> None:
                      style="dim")
             )
         console.print()
+    compute = report.get("compute")
+    if compute:
+        n = compute["shape"][0]
+        console.print(Text(f"compute: {compute['tflops']:.4g} TFLOP/s per device (slowest rank, {compute['dtype']} "
+                           f"{n}x{n} matmul); `msdist suggest --calibrate REPORT.json` prices layouts with it and "
+                           "the bandwidths above", style="dim"))
+        console.print()
     for miss in report.get("busbw_misses", []):
         console.print(Text(f"below --min-busbw: {miss['op']} on {miss['group']} at "
                            f"{_human_bytes(miss['bytes'])}: {miss['busbw_gbps']:.4f} GB/s", style="bold red"))

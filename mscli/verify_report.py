@@ -129,6 +129,8 @@ def build_spec(
             if compiled:
                 checks.append({"name": "layers.modes", "params": {"modes": compiled}})
     if BANDWIDTH in kinds:
+        # The compute probe rides with the bandwidth sweep: both feed --calibrate.
+        checks.append({"name": "compute.matmul", "params": {"dtype": dtype}})
         checks.append(
             {
                 "name": "bandwidth.sweep",
@@ -167,8 +169,30 @@ def correctness_rows(ranks: dict) -> list[dict]:
     return merge_records(without_bandwidth, key=ROW_KEY)
 
 
-def bandwidth_rows(ranks: dict) -> list[dict]:
-    """op x group x size rows: slowest rank's time, algbw, busbw, total wrong elements."""
+def group_crosses_nodes(layout: Layout | None, label: str) -> bool:
+    """Whether a bandwidth group (``"tp"``, ``"cp=dp-cp"``, ``"world"``) spans nodes."""
+    if layout is None:
+        return False
+    key = label.split("=")[0]
+    if key == "world":
+        return layout.num_nodes > 1
+    return layout.crossing_group_count(key) > 0
+
+
+def compute_summary(ranks: dict) -> dict | None:
+    """``{"tflops" (slowest rank), "tflops_per_rank", "dtype", "shape"}`` of the compute probe, or None."""
+    found = {rank: r for rank, r in _records(ranks) if r.get("check") == "compute.matmul" and "tflops" in r}
+    if not found:
+        return None
+    first = next(iter(found.values()))
+    return {"tflops": min(r["tflops"] for r in found.values()),
+            "tflops_per_rank": {str(rank): r["tflops"] for rank, r in sorted(found.items())},
+            "dtype": first["dtype"], "shape": first["shape"]}
+
+
+def bandwidth_rows(ranks: dict, layout: Layout | None = None) -> list[dict]:
+    """op x group x size rows: slowest rank's time, algbw, busbw, total wrong elements, and
+    per op and group ``latency_us`` (the smallest size's time) and ``crosses_nodes``."""
     rows: dict[tuple, dict] = {}
     for _, record in _records(ranks):
         if record.get("check") != "bandwidth":
@@ -188,10 +212,17 @@ def bandwidth_rows(ranks: dict) -> list[dict]:
             }
         row["time_us"] = max(row["time_us"], float(record["time_us"]))
         row["wrong"] += int(record.get("wrong", 0))
+    smallest: dict[tuple, dict] = {}
     for row in rows.values():
         seconds = row["time_us"] * 1e-6
         row["algbw_gbps"] = row["bytes"] / seconds / 1e9 if seconds > 0 else 0.0
         row["busbw_gbps"] = row["algbw_gbps"] * bus_factor(row["op"], row["group_size"])
+        row["crosses_nodes"] = group_crosses_nodes(layout, row["group"])
+        key = (row["op"], row["group"], row["dtype"])
+        if key not in smallest or row["bytes"] < smallest[key]["bytes"]:
+            smallest[key] = row
+    for row in rows.values():
+        row["latency_us"] = smallest[(row["op"], row["group"], row["dtype"])]["time_us"]
     return list(rows.values())
 
 
@@ -220,7 +251,7 @@ def build_report(
     no failed rank and (with ``min_busbw``) every largest-size busbw above the bar.
     """
     correctness = correctness_rows(ranks)
-    bandwidth = bandwidth_rows(ranks)
+    bandwidth = bandwidth_rows(ranks, layout)
     misses = busbw_misses(bandwidth, min_busbw)
     finished = [r for r in range(layout.world_size) if (ranks.get(r) or {}).get("status") == "done"]
     ok = (
@@ -236,6 +267,7 @@ def build_report(
         "ranks": layout.world_size,
         "duration_s": duration_s,
         "correctness": correctness,
+        "compute": compute_summary(ranks),
         "bandwidth": bandwidth,
         "busbw_misses": misses,
         "failures": list(failures),

@@ -63,13 +63,14 @@ def test_default_runs_four_cpu_ranks_with_all_checks(fake):
     assert call["env"]["MSDIST_DEVICE_TARGET"] == "CPU"
     names = [c["name"] for c in call["spec"]["checks"]]
     assert names == ["layout.init", "mappings.all", "mappings.all", "layers.dense_equivalence",
-                     "layers.modes", "bandwidth.sweep"]
+                     "layers.modes", "compute.matmul", "bandwidth.sweep"]
     even, uneven = call["spec"]["checks"][1]["params"], call["spec"]["checks"][2]["params"]
     assert even["groups"] == ["tp", "cp", "dp-cp"]
     assert even["modes"] == ["pynative", "jit"] and "split_sizes" not in even
     assert uneven["split_sizes"] == "auto" and uneven["modes"] == ["pynative", "jit"]
     assert call["spec"]["checks"][4]["params"]["modes"] == ["jit"]
-    sweep = call["spec"]["checks"][5]["params"]
+    assert call["spec"]["checks"][5]["params"] == {"dtype": "float32"}
+    sweep = call["spec"]["checks"][6]["params"]
     assert sweep["sizes"] == [1024, 262144]
     assert sweep["groups"] == ["tp", "cp", "dp", "pp", "dp-cp", "world"]
     assert report["ok"] is True and report["ranks"] == 4
@@ -132,8 +133,9 @@ def test_quick_and_sweep_options(fake):
     runner.invoke(app, ["verify", "--quick", "--checks", "bandwidth", "--dtype", "bfloat16", "--iters", "3",
                         "--warmup", "0", "--format", "json"])
     spec = fake.calls[-1]["spec"]
-    assert [c["name"] for c in spec["checks"]] == ["layout.init", "bandwidth.sweep"]
-    params = spec["checks"][1]["params"]
+    assert [c["name"] for c in spec["checks"]] == ["layout.init", "compute.matmul", "bandwidth.sweep"]
+    assert spec["checks"][1]["params"] == {"dtype": "bfloat16"}
+    params = spec["checks"][2]["params"]
     assert params["sizes"] == [4096] and params["dtype"] == "bfloat16"
     assert (params["iters"], params["warmup"]) == (3, 0)
     runner.invoke(app, ["verify", "-b", "1K", "-e", "64K", "-f", "4", "--format", "json"])

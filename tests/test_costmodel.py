@@ -286,9 +286,9 @@ def test_docstring_examples_hold():
     import doctest
 
     from mindscience.distributed import costmodel
-    from mindscience.distributed.costmodel import comm, constraints, memory, report, search, spec
+    from mindscience.distributed.costmodel import calibrate, comm, constraints, devices, memory, report, search, spec, steptime
     from mindscience.distributed.topology import layout
 
-    for module in (costmodel, comm, constraints, memory, report, search, spec, layout):
+    for module in (costmodel, calibrate, comm, constraints, devices, memory, report, search, spec, steptime, layout):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

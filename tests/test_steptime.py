@@ -284,3 +284,39 @@ def test_cli_bad_cluster_key_in_a_model_file(tmp_path):
     path.write_text(path.read_text().replace("device: h100", "compute_efficiency: 2"))
     result = invoke("suggest", "-m", path, "-w", 4)
     assert result.exit_code == 2 and "cluster.compute_efficiency=2 is invalid" in result.stderr
+
+
+# ------------------------------------------------------------------ the verify report feeds calibration
+def test_verify_report_keeps_compute_latency_and_node_crossing():
+    from mscli import verify_report as vr
+
+    def bw(op, group, n, nbytes, us):
+        return {"check": "bandwidth", "op": op, "group": group, "group_size": n, "bytes": nbytes,
+                "dtype": "float32", "time_us": us, "wrong": 0, "composed": False, "passed": True}
+
+    ranks = {}
+    for rank, (rate, slow) in enumerate([(0.2, 1.0), (0.1, 1.5)]):
+        ranks[rank] = {"status": "done", "records": [
+            {"check": "compute.matmul", "group": "world", "passed": True, "max_error": 0.0, "tflops": rate,
+             "dtype": "float32", "shape": [64, 64, 64], "time_us": 5.0},
+            bw("all_reduce", "tp", 2, 1024, 100 * slow), bw("all_reduce", "tp", 2, 262144, 400 * slow),
+            bw("all_gather", "world", 2, 1024, 300 * slow), bw("all_gather", "world", 2, 262144, 900 * slow)]}
+    layout = Layout(world_size=2, tp=2, devices_per_node=1)  # two nodes of one device: everything crosses
+    report = vr.build_report(layout, ranks, [])
+    assert report["compute"] == {"tflops": 0.1, "tflops_per_rank": {"0": 0.2, "1": 0.1}, "dtype": "float32",
+                                 "shape": [64, 64, 64]}
+    rows = {(r["op"], r["bytes"]): r for r in report["bandwidth"]}
+    assert rows[("all_reduce", 262144)]["latency_us"] == 150.0  # the slowest rank's smallest size
+    assert rows[("all_gather", 262144)]["latency_us"] == 450.0
+    assert all(r["crosses_nodes"] for r in report["bandwidth"])
+    one_node = vr.build_report(Layout(world_size=2, tp=2), ranks, [])
+    assert not any(r["crosses_nodes"] for r in one_node["bandwidth"])
+    assert ("compute.matmul", "world") in {(r["check"], r["group"]) for r in report["correctness"]}
+    cluster, sources = calibrate(ClusterSpec(), report, "r.json")
+    assert cluster.compute_efficiency == pytest.approx(0.1 / 300)
+    # Both rows cross nodes: they calibrate the inter-node link, the intra-node one stays as configured.
+    assert cluster.inter_node_gbps == pytest.approx(sorted(r["busbw_gbps"] for r in report["bandwidth"]
+                                                           if r["bytes"] == 262144)[0] / 2
+                                                    + sorted(r["busbw_gbps"] for r in report["bandwidth"]
+                                                             if r["bytes"] == 262144)[1] / 2)
+    assert cluster.inter_node_latency_us == pytest.approx(300.0) and sources["intra_node_gbps"] == "default"

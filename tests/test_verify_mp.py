@@ -75,6 +75,27 @@ def test_default_layout_passes(tmp_path):
         assert row["wrong"] == 0 and row["time_us"] > 0 and row["busbw_gbps"] > 0
         assert row["composed"] == (row["op"] in ("reduce_scatter", "all_to_all"))
         assert row["group_size"] == (4 if row["group"] == "world" else 2)
+        assert row["crosses_nodes"] is False  # one machine
+        smallest = min((r for r in bandwidth if (r["op"], r["group"]) == (row["op"], row["group"])),
+                       key=lambda r: r["bytes"])
+        assert row["latency_us"] == smallest["time_us"]
+    # The compute probe: a correctness row (the product is exact) and the slowest rank's rate.
+    assert rows[("compute.matmul", "world", "pynative", None)]["passed"]
+    compute = report["compute"]
+    assert compute["tflops"] == min(compute["tflops_per_rank"].values()) > 0
+    assert compute["dtype"] == "float32" and compute["shape"] == [1024, 1024, 1024]
+    # The report calibrates the cost model: plan --calibrate takes its rate and bandwidths.
+    proc = subprocess.run([MSDIST, "plan", "cpu-4", "--model", "sci-transformer-s", "--calibrate",
+                           str(tmp_path / "report.json"), "--format", "json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    cluster = json.loads(proc.stdout)["model"]["cluster"]
+    assert cluster["peak_tflops"] * cluster["compute_efficiency"] == pytest.approx(compute["tflops"])
+    largest = {}
+    for row in bandwidth:
+        if row["bytes"] > largest.get((row["op"], row["group"]), {"bytes": 0})["bytes"]:
+            largest[(row["op"], row["group"])] = row
+    busbw = sorted(r["busbw_gbps"] for r in largest.values())
+    assert cluster["intra_node_gbps"] == pytest.approx((busbw[5] + busbw[6]) / 2)  # median of 12
     assert leftovers(log_dir) == []
 
 
@@ -104,8 +125,12 @@ def test_hanging_rank_is_stopped_within_timeout(tmp_path):
 def test_two_nodes_on_loopback(tmp_path):
     # PyNative only: the compiled modes are covered by test_default_layout_passes.
     code, report, stderr, _, log_dir = run_verify(
-        tmp_path, "--loopback-nodes", "2", "--checks", "correctness", "--mode", "pynative")
+        tmp_path, "--loopback-nodes", "2", "--checks", "correctness,bandwidth", "--quick", "--mode", "pynative")
     assert code == 0, stderr
     assert report["ok"] is True and report["ranks"] == 4
     assert all(r["passed"] for r in report["correctness"])
+    # Two nodes of 2 ranks: tp stays inside a node, cp and the world span both.
+    crossing = {r["group"]: r["crosses_nodes"] for r in report["bandwidth"]}
+    assert crossing == {"tp": False, "cp=dp-cp": True, "world": True}
+    assert report["compute"]["tflops"] > 0
     assert leftovers(log_dir) == []

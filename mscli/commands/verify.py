@@ -282,6 +282,11 @@ def _run(spec, layout, plan, fmt, timeout, local, nodes, node_rank, master_addr,
         {"rank": f["rank"], "reason": f"{f.get('kind', 'error')}: {f['reason']}", "log_tail": f.get("log_tail", "")}
         for f in result.failures
     ]
+    if plan["mode"] == "loopback":
+        # The simulated nodes hold world / N ranks each: the report marks the groups that span them.
+        from dataclasses import replace
+
+        layout = replace(layout, devices_per_node=world // loopback_nodes)
     report = vr.build_report(layout, ranks, failures, min_busbw, result.duration_s)
     report["log_dir"] = result.log_dir
     report["command"] = result.command
