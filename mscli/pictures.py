@@ -284,7 +284,7 @@ def draw_time(ax, time: dict) -> None:
     ax.set_ylabel("seconds per step")
     extra = []
     if time.get("tokens_per_s"):
-        extra.append(f"{time['tokens_per_s']:.3g} tok/s")
+        extra.append(f"{time['tokens_per_s']:,.0f} tokens/s")
     if time.get("mfu") is not None:
         extra.append(f"MFU {100 * time['mfu']:.0f}%")
     ax.set_title(f"step {time['step_time_s']:.3g} s" + ("\n" + ", ".join(extra) if extra else ""), fontsize=9,
@@ -314,7 +314,7 @@ def draw_schedule(ax, schedule: dict) -> None:
                                    linewidth=0.6, gid=f"sched-s{stage}-{kind}{block['microbatch']}-c{block.get('chunk', 0)}"))
             if end - start >= 0.6 and makespan / max(end - start, 1e-9) < 120:
                 ax.text((start + end) / 2, stage, str(block["microbatch"]), ha="center", va="center", fontsize=6,
-                        color="white" if kind == "F" else "black")
+                        color=_text_color(color))
     ax.set_xlim(0, makespan)
     ax.set_ylim(len(timeline) - 0.5, -0.5)
     ax.set_yticks(range(len(timeline)), [f"stage {s}" for s in range(len(timeline))])
@@ -340,10 +340,10 @@ def plan_figure(plan: dict, color_by: str | None = None, highlight: int | None =
     grid = grid_cells(plan, color_by)
     columns = len(grid["columns"]) + (1 if grid["column_gap"] >= 0 else 0)
     rows = len(grid["nodes"]) + (1 if grid["node_gap"] >= 0 else 0)
-    grid_w, grid_h = 2.6 + 0.5 * columns + 2.4, 1.6 + 0.5 * rows
+    grid_w, grid_h = 2.2 + 0.5 * columns + 2.0, 1.6 + 0.5 * rows
     memory, time, schedule = plan.get("memory"), plan.get("time"), plan.get("schedule")
     mem_w = min(9.0, 3.2 + 0.3 * len(memory["stages"])) if memory else 0.0
-    time_w = 2.6 if (memory and time) else 0.0
+    time_w = 2.0 if (memory and time) else 0.0
     top_h = max(grid_h, 4.6 if memory else 0.0)
     sched_h = 1.4 + 0.32 * len(schedule["timeline"]) if schedule else 0.0
     width = max(grid_w + mem_w + time_w, 8.0 if schedule else 0.0)
@@ -395,7 +395,7 @@ def bandwidth_figure(report: dict):
     sizes = sorted({b for s in series for b, _ in s["points"]})
     for i, s in enumerate(series):
         color = group_color(i)
-        marker = MARKERS.get(s["group"], "x")
+        marker = MARKERS.get(s["group"].split("=")[0], "x")  # "cp=dp-cp": one group, two names
         bytes_, bw = zip(*s["points"])
         ax.plot(bytes_, bw, linestyle="--" if s["dashed"] else "-", marker=marker, color=color, linewidth=1.4,
                 markersize=5, label=f"{s['op']} {s['group']} (n={s['group_size']})" + (" inter-node" if s["dashed"] else ""),

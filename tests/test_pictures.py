@@ -259,6 +259,27 @@ def test_schedule_timeline_blocks(tmp_path):
     assert f"bubble {100 * schedule['bubble_fraction']:.1f}%" in text and "stage 1" in text
 
 
+def test_plan_schedule_svg_draws_the_simulated_timeline(tmp_path):
+    target = tmp_path / "s.svg"
+    result = runner.invoke(app, ["plan", "cpu-8-pp2", "--schedule", "1f1b", "--microbatches", "4",
+                                 "--format", "json", "--svg", str(target)])
+    assert result.exit_code == 0, result.output
+    schedule = json.loads(result.stdout)["schedule"]
+    svg = Svg(target)
+    expected = sorted(f"sched-s{s}-{b['kind']}{b['microbatch']}-c{b['chunk']}"
+                      for s, row in enumerate(schedule["timeline"]) for b in row)
+    assert svg.ids("sched-") == expected and len(expected) == 2 * 2 * 4
+    # Block widths and starts follow the simulation's times (pixels per unit from stage 0's F0).
+    f0 = svg.box("sched-s0-F0-c0")
+    unit = f0[2] - f0[0]
+    for s, row in enumerate(schedule["timeline"]):
+        for b in row:
+            x0, _, x1, _ = svg.box(f"sched-s{s}-{b['kind']}{b['microbatch']}-c{b['chunk']}")
+            assert (x1 - x0) == pytest.approx((b["end"] - b["start"]) * unit, rel=1e-3)
+            assert x0 - f0[0] == pytest.approx(b["start"] * unit, abs=0.05)
+    assert f"1f1b schedule: 2 stages x 4 microbatches, makespan {schedule['makespan']:g}" in svg.all_text()
+
+
 # ------------------------------------------------------------------ verify bandwidth
 def bw_row(op, group, n, size, busbw, **extra):
     return {"op": op, "group": group, "group_size": n, "bytes": size, "dtype": "float32", "time_us": 1.0,
