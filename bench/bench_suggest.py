@@ -2,7 +2,8 @@
 
 Measures the wall time of the ``msdist`` process, as a user sees it:
 * ``msdist suggest`` for 65,536 devices (16 per node) with each bundled model preset
-  (target <= 2 s), and for 4,096 devices;
+  (target <= 2 s), and for 4,096 devices; at 65,536 devices also searching the
+  micro-batch sizes 1, 2, 4, 8 (target <= 2 s);
 * ``msdist plan LAYOUT --model M`` against the same ``msdist plan LAYOUT`` without a model,
   at 65,536 ranks (JSON) and at 64 ranks (tables) (target: ratio <= 1.2);
 * that neither command imports MindSpore.
@@ -52,6 +53,13 @@ def main() -> None:
          ["suggest", "--model", model, "--world", str(world), "--devices-per-node", "16", "--format", "json"])
         for world, models in ((65536, ("gpt3-175b", "gqa-7b")), (4096, ("gpt3-175b", "gqa-7b", "sci-transformer-s")))
         for model in models
+    ]
+    # The step-time search over four micro-batch sizes (target <= 2 s at 65,536 devices).
+    suggest_cases += [
+        (f"--model {model} --world 65536 --devices-per-node 16 --micro-batch-sizes 1,2,4,8 --format json",
+         ["suggest", "--model", model, "--world", "65536", "--devices-per-node", "16", "--micro-batch-sizes",
+          "1,2,4,8", "--format", "json"])
+        for model in ("gpt3-175b", "gqa-7b")
     ]
     plan_pairs = [
         ("ascend-65536 --format json", [big, "--format", "json"], ["--model", "gpt3-175b"]),

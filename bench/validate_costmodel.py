@@ -1,0 +1,143 @@
+"""The step-time model against published training runs (docs/COST_MODEL.md, "Validation").
+
+For each run whose paper gives the model, the layout, the batch, the hardware and the
+measured throughput, this prints the throughput the cost model predicts for exactly that
+configuration (the device preset, its default ``compute_efficiency`` of 0.5, nothing
+fitted), and where the published layout ranks among the layouts ``msdist suggest`` tries
+for the same world, model, batch and micro-batch size.
+
+Run:  python bench/validate_costmodel.py        (pure Python, about a second; no MindSpore)
+
+Published figures: Korthikanti et al. 2022 (arXiv 2205.05198) Tables 3 and 5 (MFU,
+A100 80GB, d = 1 and the 530B d = 8 run); Narayanan et al. 2021 (arXiv 2104.04473)
+Table 1 (TFLOP/s per GPU counted with Eq. 3, i.e. including the recomputed forward;
+micro-batch and interleaving from its run script); Llama 3 (arXiv 2407.21783) Table 4
+(TFLOP/s per H100, BF16 MFU).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from mindscience.distributed.costmodel import suggest  # noqa: E402
+from mindscience.distributed.costmodel.comm import crossing_flags  # noqa: E402
+from mindscience.distributed.costmodel.spec import ClusterSpec, ModelSpec, TrainingSpec, Workload  # noqa: E402
+from mindscience.distributed.costmodel.steptime import step_time  # noqa: E402
+from mindscience.distributed.topology import Layout  # noqa: E402
+
+
+def gpt(layers, hidden, heads, seq=2048, vocab=51200, **kw):
+    return ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
+                     vocab_size=vocab, **kw)
+
+
+# (label, model, (tp, cp, pp, dp), training, device, published value, metric, source)
+# metric "mfu": model FLOPs utilisation; "tflops_hw": Narayanan's Eq. 3 FLOPs (with the
+# recomputed forward) per second and GPU; "tflops": model FLOPs per second and GPU.
+KORTHIKANTI = dict(sequence_parallel=True, recompute="selective")
+NARAYANAN = dict(sequence_parallel=False, recompute="full")
+RUNS = [
+    ("22B, 8 A100", gpt(48, 6144, 64), (8, 1, 1, 1), dict(micro_batch_size=4, global_batch_size=4, **KORTHIKANTI),
+     "a100-80gb", 0.415, "mfu", "K22 Table 5"),
+    ("175B, 64 A100", gpt(96, 12288, 96), (8, 1, 8, 1),
+     dict(global_batch_size=64, virtual_pipeline_stages=3, **KORTHIKANTI), "a100-80gb", 0.514, "mfu", "K22 Table 5"),
+    ("530B, 280 A100", gpt(105, 20480, 128), (8, 1, 35, 1),
+     dict(global_batch_size=280, virtual_pipeline_stages=3, **KORTHIKANTI), "a100-80gb", 0.560, "mfu", "K22 Table 5"),
+    ("1T, 512 A100", gpt(128, 25600, 160), (8, 1, 64, 1), dict(global_batch_size=512, **KORTHIKANTI),
+     "a100-80gb", 0.563, "mfu", "K22 Table 5"),
+    ("530B, 2240 A100 (d=8)", gpt(105, 20480, 128), (8, 1, 35, 8),
+     dict(global_batch_size=2240, virtual_pipeline_stages=3, **KORTHIKANTI), "a100-80gb", 0.542, "mfu",
+     "K22 sec. 6"),
+    ("1.7B, 32 A100", gpt(24, 2304, 24), (1, 1, 1, 32), dict(micro_batch_size=16, global_batch_size=512, **NARAYANAN),
+     "a100-80gb", 137, "tflops_hw", "N21 Table 1"),
+    ("18.4B, 256 A100", gpt(40, 6144, 48), (8, 1, 1, 32), dict(micro_batch_size=8, global_batch_size=1024, **NARAYANAN),
+     "a100-80gb", 135, "tflops_hw", "N21 Table 1"),
+    ("39.1B, 512 A100", gpt(48, 8192, 64), (8, 1, 2, 32), dict(micro_batch_size=4, global_batch_size=1536, **NARAYANAN),
+     "a100-80gb", 138, "tflops_hw", "N21 Table 1"),
+    ("145.6B, 1536 A100", gpt(80, 12288, 96), (8, 1, 8, 24),
+     dict(micro_batch_size=2, global_batch_size=2304, virtual_pipeline_stages=2, **NARAYANAN), "a100-80gb", 148,
+     "tflops_hw", "N21 Table 1"),
+    ("310.1B, 1920 A100", gpt(96, 16384, 128), (8, 1, 16, 15),
+     dict(global_batch_size=2160, virtual_pipeline_stages=2, **NARAYANAN), "a100-80gb", 155, "tflops_hw",
+     "N21 Table 1"),
+    ("1T, 3072 A100", gpt(128, 25600, 160), (8, 1, 64, 6), dict(global_batch_size=3072, **NARAYANAN),
+     "a100-80gb", 163, "tflops_hw", "N21 Table 1"),
+    # Llama 3 405B: GQA (8 k/v heads), SwiGLU 53,248 wide = a 2-matrix MLP of 1.5 x 53,248 parameters;
+    # 126 layers on 16 stages (the first and last hold one fewer): 128 layer slots, 8 on the busiest stage.
+    ("Llama 3 405B, 8192 H100", gpt(128, 16384, 128, seq=8192, vocab=128256, num_query_groups=8,
+                                    ffn_hidden_size=79872), (8, 1, 16, 64),
+     dict(global_batch_size=2048, sequence_parallel=True, recompute="none", distributed_optimizer=True),
+     "h100-80gb", 430, "tflops", "Llama 3 Table 4"),
+    ("Llama 3 405B, 16384 H100", gpt(128, 16384, 128, seq=8192, vocab=128256, num_query_groups=8,
+                                     ffn_hidden_size=79872), (8, 1, 16, 128),
+     dict(global_batch_size=2048, sequence_parallel=True, recompute="none", distributed_optimizer=True),
+     "h100-80gb", 400, "tflops", "Llama 3 Table 4"),
+]
+
+
+def hardware_flops_eq3(model: ModelSpec, samples: int) -> float:
+    """Narayanan et al. 2021, Eq. 3: ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` per step."""
+    s, l, h, v = model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
+    return 96 * samples * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def predict(model, sizes, training, device):
+    tp, cp, pp, dp = sizes
+    layout = Layout(world_size=tp * cp * pp * dp, tp=tp, cp=cp, pp=pp, devices_per_node=8)
+    cluster = ClusterSpec(device=device)
+    return step_time(model, training, cluster, tp, cp, pp, dp, crossing=crossing_flags(layout)), cluster
+
+
+def rank_of(model, sizes, training, device) -> tuple[int, int, dict]:
+    """(1-based rank of the published sizes, candidates that fit, the best) in ``suggest`` at the same batch.
+
+    Rank 0: the cost model's memory estimate says the published layout does not fit.
+    """
+    tp, cp, pp, dp = sizes
+    world = tp * cp * pp * dp
+    cluster = ClusterSpec(device=device)
+    result = suggest(Workload(model=model, training=training, cluster=cluster), world, devices_per_node=8)
+    ranked = [(c["tp"], c["cp"], c["pp"], c["dp"]) for c in result["candidates"]]
+    best = result["candidates"][0] if ranked else None
+    return (ranked.index(sizes) + 1 if sizes in ranked else 0), len(ranked), best
+
+
+def main() -> int:
+    print("| run | layout tp·cp·pp·dp (v) | published | predicted | predicted / published | "
+          "published layout's rank in suggest | suggest's first |")
+    print("|---|---|---|---|---|---|---|")
+    ratios = []
+    for label, model, sizes, train_kw, device, published, metric, source in RUNS:
+        training = TrainingSpec(**train_kw)
+        timing, cluster = predict(model, sizes, training, device)
+        world = sizes[0] * sizes[1] * sizes[2] * sizes[3]
+        samples = training.global_batch_size
+        if metric == "mfu":
+            value, shown = timing["mfu"], (f"MFU {published:.1%}", f"MFU {timing['mfu']:.1%}")
+        elif metric == "tflops_hw":
+            value = hardware_flops_eq3(model, samples) / timing["step_time_s"] / world / 1e12
+            shown = (f"{published:g} TFLOP/s", f"{value:.0f} TFLOP/s")
+        else:
+            value = timing["model_flops_per_step"] / timing["step_time_s"] / world / 1e12
+            shown = (f"{published:g} TFLOP/s", f"{value:.0f} TFLOP/s")
+        ratio = value / published
+        ratios.append(ratio)
+        rank, total, best = rank_of(model, sizes, training, device)
+        v = training.virtual_pipeline_stages
+        tp, cp, pp, dp = sizes
+        first = f"{best['tp']}·{best['cp']}·{best['pp']}·{best['dp']}" if best else "none fits (memory model)"
+        print(f"| {label} ({source}) | {tp}·{cp}·{pp}·{dp}" + (f" (v={v})" if v > 1 else "")
+              + f" | {shown[0]} | {shown[1]} | {ratio:.2f} | {rank or '-'} of {total} | {first} |")
+    mean = sum(ratios) / len(ratios)
+    print(f"\nmean predicted / published: {mean:.2f} (min {min(ratios):.2f}, max {max(ratios):.2f}); "
+          "device presets with compute_efficiency 0.5, nothing fitted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
