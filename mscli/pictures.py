@@ -413,6 +413,9 @@ def bandwidth_figure(report: dict):
                  f"{layout.get('backend', '?')}, {dtype}; busbw as nccl-tests (slowest rank); dashed = crosses nodes",
                  fontsize=9, loc="left")
     ax.grid(True, which="major", alpha=0.3)
+    if len(sizes) == 1:
+        ax.text(0.01, 0.98, "one message size (--quick): sweep with -b/-e/-f for curves", transform=ax.transAxes,
+                va="top", fontsize=7, style="italic", gid="bw-one-size")
     if series:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     else:
