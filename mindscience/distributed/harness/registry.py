@@ -24,6 +24,8 @@ CHECK_MODULES = (
     "mindscience.distributed.harness.checks.mappings",
     "mindscience.distributed.harness.checks.manager",
     "mindscience.distributed.harness.checks.layers",
+    "mindscience.distributed.harness.checks.attention",
+    "mindscience.distributed.harness.checks.vocab",
     "mindscience.distributed.harness.checks.examples",
     "mindscience.distributed.harness.checks.training",
     "mindscience.distributed.harness.checks.bandwidth",

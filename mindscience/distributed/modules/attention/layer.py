@@ -1,0 +1,116 @@
+"""``ContextParallelAttention``: tp-parallel projections around context-parallel attention.
+
+    x (S/cp, B, H), this cp rank's rows, the same on every tp rank
+      -> ColumnParallelLinear qkv (gather_output=False)    (S/cp, B, (N + 2 N_kv) hd / tp)
+      -> context_parallel_attention over cp               (S/cp, B, N/tp, hd)
+      -> RowParallelLinear out (input_is_parallel=True)   (S/cp, B, H)  (all-reduce over tp)
+
+The fused qkv features are laid out per query group (Megatron's GQA layout): for each of
+the ``N_kv`` key/value heads, its ``g = N / N_kv`` query heads, then its key head, then
+its value head. A column split over tp therefore hands every tp rank whole query groups
+(``N_kv`` must be divisible by tp).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import mindspore as ms
+from mindspore import nn
+
+from ..linear import ColumnParallelLinear, RowParallelLinear, _tp_group
+from .core import METHODS
+from .methods import context_parallel_attention
+
+
+def _cp_group(group):
+    from ... import manager
+    from ...collectives import resolve_group
+    from ...group import ParallelGroup
+
+    if group is not None:
+        return resolve_group(group)
+    if manager.is_initialized():
+        return manager.get_context_parallel_group()
+    return ParallelGroup.trivial("cp")
+
+
+class ContextParallelAttention(nn.Cell):
+    """Multi-head (or grouped-query) self-attention, heads over tp, sequence over cp.
+
+    Args:
+        hidden_size: Model width H; ``H % num_heads == 0``.
+        num_heads: Query heads N; ``N % num_query_groups == 0``.
+        num_query_groups: Key/value heads N_kv (default N: plain multi-head); must be
+            divisible by tp.
+        method: ``"ring"``, ``"ulysses"`` or ``"allgather_kv"`` (see
+            :func:`context_parallel_attention`; ulysses needs ``N/tp`` and ``N_kv/tp``
+            divisible by cp).
+        causal: Causal self-attention.
+        load_balance: Zigzag layout of the causal ring (x then holds this rank's zigzag rows).
+        compute_dtype: Dtype of the projections' matmuls (None: the input's).
+        tp_group, cp_group: Override the groups (default: the manager's, or size 1).
+
+    Inputs:
+        x: ``(S_local, B, H)``. split_sizes: the rows of every cp rank (uneven sequence).
+
+    Outputs:
+        ``(S_local, B, H)``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, *, num_query_groups: Optional[int] = None,
+                 method: str = "ring", causal: bool = False, load_balance: bool = False,
+                 compute_dtype=None, tp_group=None, cp_group=None):
+        super().__init__()
+        cls = type(self).__name__
+        n_kv = num_heads if num_query_groups is None else num_query_groups
+        for key, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
+                           ("num_query_groups", n_kv)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"{cls}: {key}={value!r} must be a positive integer.")
+        if method not in METHODS:
+            raise ValueError(f"{cls}: method={method!r} is invalid: expected one of {METHODS}.")
+        if hidden_size % num_heads:
+            raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by "
+                             f"num_heads={num_heads}.")
+        if num_heads % n_kv:
+            raise ValueError(f"{cls}: num_heads={num_heads} is not a multiple of "
+                             f"num_query_groups={n_kv}.")
+        self.tp = _tp_group(tp_group)
+        self.cp = _cp_group(cp_group)
+        if n_kv % self.tp.size:
+            raise ValueError(f"{cls}: num_query_groups={n_kv} is not divisible by the tensor-"
+                             f"parallel size {self.tp.size}: each tp rank holds whole query "
+                             "groups. Choose a multiple of tp, or another tp size.")
+        self.head_dim = hidden_size // num_heads
+        self.g = num_heads // n_kv
+        self.local_groups = n_kv // self.tp.size
+        if method == "ulysses" and (self.local_groups % self.cp.size):
+            raise ValueError(
+                f"{cls}: method='ulysses' needs the key/value heads per tp rank "
+                f"({n_kv}/{self.tp.size} = {self.local_groups}) divisible by cp={self.cp.size}; "
+                "use method='ring' or 'allgather_kv'.")
+        self.method, self.causal, self.load_balance = method, bool(causal), bool(load_balance)
+        self.num_heads, self.num_query_groups = num_heads, n_kv
+        f = dict(compute_dtype=compute_dtype, group=self.tp)
+        self.qkv = ColumnParallelLinear(hidden_size, (num_heads + 2 * n_kv) * self.head_dim,
+                                        gather_output=False, **f)
+        self.out = RowParallelLinear(num_heads * self.head_dim, hidden_size,
+                                     input_is_parallel=True, **f)
+        if method == "ring" and self.cp.size > 1:
+            # The ring's pair communicators are made eagerly here: compiled code cannot.
+            from ... import p2p
+
+            p2p.ring_shift(ms.Tensor([0.0], ms.float32), self.cp, 1)
+
+    def construct(self, x, split_sizes=None):
+        s, b, _ = x.shape
+        hd, g, groups = self.head_dim, self.g, self.local_groups
+        t = self.qkv(x).reshape(s, b, groups, g + 2, hd)
+        q = t[:, :, :, :g].reshape(s, b, groups * g, hd)
+        k = t[:, :, :, g]
+        v = t[:, :, :, g + 1]
+        o = context_parallel_attention(q, k, v, self.cp, method=self.method, causal=self.causal,
+                                       split_sizes=split_sizes, load_balance=self.load_balance)
+        return self.out(o.reshape(s, b, groups * g * hd))
