@@ -163,7 +163,7 @@ def _rejected_text(result: dict) -> str:
 
 def breakdown_text(candidate: dict) -> str:
     """``compute 1.2 s + bubble 40 ms + tp 0.3 s + ...`` (only the non-zero terms)."""
-    parts = [f"{label.split()[0]} {human_seconds(candidate['breakdown'][key])}" for key, label in TERMS
+    parts = [f"{key[:-2]} {human_seconds(candidate['breakdown'][key])}" for key, _ in TERMS
              if candidate["breakdown"][key] > 0]
     return " + ".join(parts) or "0"
 
