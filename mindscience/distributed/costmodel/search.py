@@ -130,14 +130,13 @@ def _price(model, training, cluster, sizes: tuple, orders: list) -> tuple:
 
     ``orders`` holds ``(order, crossing flags)`` pairs; the first wins ties.
     """
-    tp, cp, pp, dp = sizes
-    rows = traffic(model, training, tp, cp, pp, dp)
+    rows = traffic(model, training, *sizes)
     best = None
     for order, flags in orders:
-        timing = step_time(model, training, cluster, tp, cp, pp, dp, crossing=flags, rows=rows)
-        if best is None or timing["step_time_s"] < best[3]["step_time_s"]:
-            best = (order, None, flags, timing)
-    order, _, flags, timing = best
+        timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows)
+        if best is None or timing["step_time_s"] < best[2]["step_time_s"]:
+            best = (order, flags, timing)
+    order, flags, timing = best
     return order, timed(rows, flags, cluster), flags, timing
 
 
