@@ -72,7 +72,7 @@ from .group import ParallelGroup
 __all__ = [
     "P2PMismatchError", "ring_shift", "send_forward", "recv_forward", "send_backward",
     "recv_backward", "send_forward_recv_backward", "send_backward_recv_forward",
-    "pair_group", "link",
+    "pair_group", "link", "transfer", "exchange_header",
 ]
 
 _DTYPES = (mstype.float32, mstype.float16, mstype.bfloat16, mstype.float64, mstype.int32,
@@ -197,43 +197,80 @@ def _dtype_code(dtype) -> int:
     raise ValueError(f"p2p: unsupported dtype {dtype}: expected one of {', '.join(map(str, _DTYPES))}")
 
 
-def _signature(shape, dtype) -> list:
-    """``[1, ndim, d0, ..., code]`` for a tensor that moves; zeros for none."""
+def _signature(shape, dtype, flag=1.0) -> list:
+    """``[flag, ndim, d0, ..., d7, code]``; flag 0 = nothing moves, 1 = exact, 2 = any
+    tensor (a receiver that learns the shape), 3 = this shape, any dtype."""
     if shape is None:
-        return [0.0] * _SIG
+        return [float(flag if flag == 2.0 else 0.0)] + [0.0] * (_SIG - 1)
     shape = tuple(int(d) for d in shape)
     if len(shape) > _MAX_NDIM:
         raise ValueError(f"p2p: tensors of rank > {_MAX_NDIM} are not supported, got shape {shape}")
     dims = list(shape) + [0] * (_MAX_NDIM - len(shape))
-    return [1.0, float(len(shape))] + [float(d) for d in dims] + [float(_dtype_code(dtype))]
+    code = 0.0 if dtype is None else float(_dtype_code(dtype))
+    return [float(flag), float(len(shape))] + [float(d) for d in dims] + [code]
 
 
 def _describe(sig) -> str:
     if sig[0] == 0:
         return "nothing"
+    if sig[0] == 2:
+        return "any tensor"
     ndim = int(sig[1])
     dims = tuple(int(d) for d in sig[2:2 + ndim])
-    return f"shape {dims} {_DTYPES[int(sig[-1]) - 1]}"
+    dtype = "any dtype" if sig[-1] == 0 else str(_DTYPES[int(sig[-1]) - 1])
+    return f"shape {dims} {dtype}"
 
 
-def _check_header(lk, what, send_shape, send_dtype, recv_shape, recv_dtype, me_rank, other_rank):
-    """Exchange what each end sends and expects; raise on both ends if they disagree."""
-    mine = _signature(send_shape, send_dtype) + _signature(recv_shape, recv_dtype)
-    theirs = lk.exchange(Tensor(np.asarray(mine, np.float32))).asnumpy().tolist()
-    my_send, my_recv = mine[:_SIG], mine[_SIG:]
-    their_send, their_recv = theirs[:_SIG], theirs[_SIG:]
+def _fits(sent, expected) -> bool:
+    """Does what one end sends fit what the other expects?"""
+    if expected[0] == 2:
+        return sent[0] == 1
+    if expected[0] == 3:
+        return sent[0] == 1 and sent[1:-1] == expected[1:-1]
+    return sent == expected
+
+
+def _spec(sig):
+    ndim = int(sig[1])
+    return tuple(int(d) for d in sig[2:2 + ndim]), _DTYPES[int(sig[-1]) - 1]
+
+
+def exchange_header(lk, send, expect, what, me_rank, other_rank):
+    """Swap headers over link ``lk``: what each end sends, and what it expects to receive.
+
+    Args:
+        send: The tensor this end sends, or None.
+        expect: None (nothing received), ``("any", None)`` (learn the shape and dtype),
+            ``(shape, None)`` (this shape, any dtype) or ``(shape, dtype)``.
+
+    Returns:
+        ``(shape, dtype)`` of the tensor the other end sends (None when it sends nothing).
+
+    Raises:
+        P2PMismatchError: on BOTH ends, when either direction does not fit.
+    """
+    mine_send = _signature(None if send is None else send.shape, None if send is None else send.dtype)
+    if expect is None:
+        mine_expect = _signature(None, None, 0.0)
+    elif expect[0] == "any":
+        mine_expect = _signature(None, None, 2.0)
+    else:
+        mine_expect = _signature(expect[0], expect[1], 1.0 if expect[1] is not None else 3.0)
+    theirs = lk.exchange(Tensor(np.asarray(mine_send + mine_expect, np.float32))).asnumpy().tolist()
+    their_send, their_expect = theirs[:_SIG], theirs[_SIG:]
     problems = []
-    if my_recv != their_send:
-        problems.append(f"rank {me_rank} expects {_describe(my_recv)} from rank {other_rank}, "
+    if not _fits(their_send, mine_expect):
+        problems.append(f"rank {me_rank} expects {_describe(mine_expect)} from rank {other_rank}, "
                         f"which sends {_describe(their_send)}")
-    if my_send != their_recv:
-        problems.append(f"rank {me_rank} sends {_describe(my_send)} to rank {other_rank}, "
-                        f"which expects {_describe(their_recv)}")
+    if not _fits(mine_send, their_expect):
+        problems.append(f"rank {me_rank} sends {_describe(mine_send)} to rank {other_rank}, "
+                        f"which expects {_describe(their_expect)}")
     if problems:
         raise P2PMismatchError(
             f"{what}: the two ends disagree: " + "; ".join(problems) + ". Pass the receiving "
             "call the shape and dtype that the other end sends (for the pipeline: the "
             "activation_shape every stage exchanges).")
+    return _spec(their_send) if their_send[0] == 1 else None
 
 
 def transfer(lk, send=None, recv_shape=None, recv_dtype=None, *, check=True, what="p2p",
@@ -244,9 +281,8 @@ def transfer(lk, send=None, recv_shape=None, recv_dtype=None, *, check=True, wha
     of the same shape and dtype go as one exchange.
     """
     if check:
-        _check_header(lk, what, None if send is None else send.shape,
-                      None if send is None else send.dtype, recv_shape, recv_dtype,
-                      me_rank, other_rank)
+        exchange_header(lk, send, None if recv_shape is None else (recv_shape, recv_dtype),
+                        what, me_rank, other_rank)
     if send is not None and recv_shape is not None:
         if tuple(send.shape) == tuple(recv_shape) and send.dtype == recv_dtype:
             return lk.exchange(send.contiguous())

@@ -28,8 +28,11 @@ CHECK_MODULES = (
     "mindscience.distributed.harness.checks.vocab",
     "mindscience.distributed.harness.checks.examples",
     "mindscience.distributed.harness.checks.training",
+    "mindscience.distributed.harness.checks.checkpoint",
     "mindscience.distributed.harness.checks.bandwidth",
+    "mindscience.distributed.harness.checks.compute",
     "mindscience.distributed.harness.checks.p2p",
+    "mindscience.distributed.harness.checks.pipeline",
 )
 
 _CHECKS: dict[str, Callable] = {}

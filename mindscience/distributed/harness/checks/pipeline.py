@@ -1,0 +1,113 @@
+"""Checks of the pipeline runtime (:mod:`mindscience.distributed.pipeline`).
+
+``examples.train_pipeline``
+    examples/train_pipeline.py under ``layout`` (default tp2 x pp2, dp from the world):
+    every schedule x mode against the dense model, step by step (its record).
+
+``pipeline.step``
+    One ``forward_backward`` step of a toy stage (a linear layer and tanh per stage, 4
+    micro-batches) for each schedule and mode against the dense model computed by every
+    rank in numpy-free MindSpore on its own (the loss and this stage's gradients), plus
+    the memory bound: the runtime's peak of kept micro-batches equals the schedule's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..registry import CheckContext, check
+from .examples import _load_example
+from .p2p import under_layout
+
+
+@check("examples.train_pipeline")
+def example_train_pipeline(ctx: CheckContext, layout=None, **params) -> dict:
+    """examples/train_pipeline.py: each schedule's loss curve and weights vs dense."""
+    layout = layout or {"tp": 2, "pp": 2}
+
+    def body(manager):
+        module = _load_example("train_pipeline")
+        record = module.run(**params)
+        record.setdefault("check", "examples.train_pipeline")
+        return [record]
+
+    return under_layout(ctx, layout, body)[0]
+
+
+def _toy(seed, layer, dim):
+    rng = np.random.default_rng(seed + 17 * layer)
+    return (rng.standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32)
+
+
+@check("pipeline.step")
+def pipeline_step(ctx: CheckContext, schedules=("1f1b", "gpipe", "interleaved"),
+                  modes=("pynative", "jit"), microbatches=4, dim=4, layout=None) -> list:
+    """A toy pipeline step per schedule x mode vs the dense model on this rank."""
+    return under_layout(ctx, layout, lambda manager: _steps(manager, schedules, modes,
+                                                            microbatches, dim))
+
+
+def _steps(manager, schedules, modes, m, dim):
+    import mindspore as ms
+    from mindspore import mint, nn
+
+    from mindscience.distributed.pipeline import forward_backward, runtime
+    from mindscience.distributed.pipeline.schedules import build
+
+    class Toy(nn.Cell):
+        def __init__(self, layers, seed):
+            super().__init__()
+            self.w = ms.ParameterTuple([
+                ms.Parameter(ms.Tensor(_toy(seed, k, dim)), name=f"w{k}") for k in layers])
+
+        def construct(self, x):
+            for w in self.w:
+                x = mint.tanh(mint.matmul(x, w))
+            return x
+
+    def loss_fn(out, t):
+        return mint.mean((out - t) ** 2)
+
+    g = manager.get_pipeline_parallel_group()
+    p, i = g.size, g.rank
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((2, dim)).astype(np.float32) for _ in range(m)]
+    ts = [rng.standard_normal((2, dim)).astype(np.float32) for _ in range(m)]
+    records = []
+    for schedule in schedules:
+        v = 2 if schedule == "interleaved" else 1
+        if schedule == "interleaved" and m % p:
+            continue
+        n_layers = p * v
+        dense = Toy(range(n_layers), 0)
+        params = dense.trainable_params()
+
+        def dense_loss(*args):
+            total = 0.0
+            for j in range(m):
+                total = total + loss_fn(dense(args[j]), args[m + j])
+            return total / m
+
+        want_loss, want_grads = ms.value_and_grad(dense_loss, None, params)(
+            *[ms.Tensor(a) for a in xs + ts])
+        chunks = [Toy([c * p + i], 0) for c in range(v)]
+        stage = chunks if schedule == "interleaved" else chunks[0]
+        mine = [c * p + i for c in range(v)]
+        for mode in modes:
+            inputs = [ms.Tensor(a) if i == 0 else None for a in xs]
+            targets = [ms.Tensor(a) if i == p - 1 else None for a in ts]
+            loss, grads = forward_backward(stage, inputs, targets, loss_fn, schedule=schedule,
+                                           mode=mode)
+            gerr = max(float(np.abs(gr.asnumpy() - want_grads[k].asnumpy()).max())
+                       for gr, k in zip(grads, mine))
+            lerr = abs(float(loss.asnumpy()) - float(want_loss.asnumpy()))
+            expect_peak = build(schedule, p, m, v).peak_in_flight[i]
+            peak = runtime.last_peak()
+            records.append({
+                "check": "pipeline.step", "group": "pp", "group_size": p, "schedule": schedule,
+                "mode": mode, "microbatches": m, "virtual_stages": v, "loss_error": lerr,
+                "grad_error": gerr, "max_error": max(lerr, gerr), "peak_in_flight": peak,
+                "schedule_peak": expect_peak,
+                "passed": bool(max(lerr, gerr) <= 1e-5 and peak == expect_peak),
+            })
+    return records
