@@ -415,12 +415,12 @@ def bandwidth_figure(report: dict):
     ax.grid(True, which="major", alpha=0.3)
     if len(sizes) == 1:
         ax.text(0.01, 0.98, "one message size (--quick): sweep with -b/-e/-f for curves", transform=ax.transAxes,
-                va="top", fontsize=7, style="italic", gid="bw-one-size")
+                va="top", fontsize=7, style="italic", gid="note-one-size")
     if series:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     else:
         ax.text(0.5, 0.5, "no bandwidth rows in this report (run verify with --checks bandwidth)",
-                transform=ax.transAxes, ha="center", gid="bw-empty")
+                transform=ax.transAxes, ha="center", gid="note-no-bandwidth")
     return fig
 
 

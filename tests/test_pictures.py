@@ -371,6 +371,38 @@ def test_verify_plot_from_a_saved_report(tmp_path):
     assert Svg(target).ids("bw-") == ["bw-all_gather-dp-cp", "bw-all_reduce-tp"]
 
 
+def test_verify_plot_after_a_launch(tmp_path, monkeypatch):
+    import mindscience.distributed.harness as harness
+    from mindscience.distributed.harness import LaunchResult
+
+    def record(rank, size, us):
+        return {"check": "bandwidth", "op": "all_reduce", "group": "tp", "group_size": 2, "bytes": size,
+                "dtype": "float32", "time_us": us, "wrong": 0, "composed": False, "passed": True, "rank": rank}
+
+    ranks = {r: {"rank": r, "status": "done", "records": [record(r, 1024, 50.0), record(r, 4096, 80.0 + r)]}
+             for r in range(4)}
+
+    def fake_launch(spec, world_size, *args, **kwargs):
+        return LaunchResult(ok=True, returncode=0, timed_out=False, duration_s=1.0, ranks=ranks, failures=[],
+                            log_dir="/tmp/x", command=["msrun"])
+
+    monkeypatch.setattr(harness, "launch", fake_launch)
+    plain = runner.invoke(app, ["verify", "--format", "json", "--checks", "bandwidth"])
+    target = tmp_path / "bw.svg"
+    plotted = runner.invoke(app, ["verify", "--format", "json", "--checks", "bandwidth", "--plot", str(target)])
+    assert plotted.exit_code == 0, plotted.output
+    assert json.loads(plotted.stdout) == json.loads(plain.stdout)  # the report is unchanged by --plot
+    svg = Svg(target)
+    (x0, y0), (x1, y1) = svg.points("bw-all_reduce-tp")
+    assert x1 > x0 and y1 < y0  # 4 KiB in 83 us beats 1 KiB in 50 us (slowest rank)
+    assert "note-one-size" not in svg.by_id
+    # A --quick report has one size: the picture says how to get curves.
+    quick = report_data()
+    quick["bandwidth"] = [r for r in quick["bandwidth"] if r["bytes"] == 1024]
+    pictures.save_bandwidth(quick, str(tmp_path / "q.svg"))
+    assert "note-one-size" in Svg(tmp_path / "q.svg").by_id
+
+
 def one_line_error(result, *fragments):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()

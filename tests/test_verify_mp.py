@@ -124,13 +124,22 @@ def test_hanging_rank_is_stopped_within_timeout(tmp_path):
 
 def test_two_nodes_on_loopback(tmp_path):
     # PyNative only: the compiled modes are covered by test_default_layout_passes.
+    plot = tmp_path / "bw.svg"
     code, report, stderr, _, log_dir = run_verify(
-        tmp_path, "--loopback-nodes", "2", "--checks", "correctness,bandwidth", "--quick", "--mode", "pynative")
+        tmp_path, "--loopback-nodes", "2", "--checks", "correctness,bandwidth", "--quick", "--mode", "pynative",
+        "--plot", str(plot))
     assert code == 0, stderr
     assert report["ok"] is True and report["ranks"] == 4
     assert all(r["passed"] for r in report["correctness"])
     # Two nodes of 2 ranks: tp stays inside a node, cp and the world span both.
     crossing = {r["group"]: r["crosses_nodes"] for r in report["bandwidth"]}
     assert crossing == {"tp": False, "cp=dp-cp": True, "world": True}
+    # --plot drew one line per (op, group), the node-crossing ones dashed (tests/test_pictures.py for more).
+    import xml.etree.ElementTree as ET
+
+    lines = {g.get("id"): next(g.iter("{http://www.w3.org/2000/svg}path")).get("style")
+             for g in ET.parse(plot).getroot().iter() if (g.get("id") or "").startswith("bw-")}
+    assert set(lines) == {f"bw-{r['op']}-{r['group']}" for r in report["bandwidth"]}
+    assert all(("dasharray" in style) == crossing[key.split("-", 2)[2]] for key, style in lines.items())
     assert report["compute"]["tflops"] > 0
     assert leftovers(log_dir) == []
