@@ -276,7 +276,8 @@ def bandwidth_table(rows: list[dict]) -> Table:
         table.add_column(column, justify=justify)
     for row in rows:
         table.add_row(
-            row["op"], row["group"], str(row["group_size"]), _human_bytes(row["bytes"]), row["dtype"],
+            row["op"], row["group"] + (" (x-node)" if row.get("crosses_nodes") else ""),
+            str(row["group_size"]), _human_bytes(row["bytes"]), row["dtype"],
             f"{row['time_us']:.1f}", f"{row['algbw_gbps']:.4f}", f"{row['busbw_gbps']:.4f}",
             Text(str(row["wrong"]), style="green" if row["wrong"] == 0 else "bold red"),
             Text("composed", style="yellow") if row["composed"] else "native",
@@ -284,7 +285,23 @@ def bandwidth_table(rows: list[dict]) -> Table:
     return table
 
 
-def render_verify(report: dict) -> None:
+def summary_table(rows: list[dict]) -> Table:
+    """One row per family of checks and mode (``report["summary"]``)."""
+    table = Table(title="correctness summary (per-check rows: failures, or --verbose)",
+                  title_justify="left", show_edge=False, pad_edge=False)
+    for column, justify in (("family", "left"), ("mode", "left"), ("passed", "right"),
+                            ("failed", "right"), ("worst error", "right")):
+        table.add_column(column, justify=justify, style="bold" if column == "family" else None)
+    for row in rows:
+        failed = Text(str(row["failed"]), style="bold red" if row["failed"] else "green")
+        error = "-" if row.get("max_error") is None else f"{row['max_error']:.3g}"
+        table.add_row(row["family"], row["mode"], str(row["passed"]), failed, error)
+    return table
+
+
+def render_verify(report: dict, verbose: bool = False) -> None:
+    """The report for people: the summary first; per-check rows for failures (all of them
+    with ``verbose``); bandwidth; the compute probe; the verdict."""
     console = stdout_console()
     layout = report["layout"]
     console.print(
@@ -297,8 +314,15 @@ def render_verify(report: dict) -> None:
         )
     )
     if report["correctness"]:
-        console.print(correctness_table(report["correctness"]))
-        console.print()
+        summary = report.get("summary")
+        if summary:
+            console.print(summary_table(summary))
+            console.print()
+        rows = report["correctness"] if (verbose or not summary) else [
+            r for r in report["correctness"] if not r["passed"]]
+        if rows:
+            console.print(correctness_table(rows))
+            console.print()
     if report["bandwidth"]:
         console.print(bandwidth_table(report["bandwidth"]))
         if any(r["composed"] for r in report["bandwidth"]):
@@ -307,6 +331,13 @@ def render_verify(report: dict) -> None:
                      "reduce-scatter/all-to-all kernel): all-reduce + slice, all-gather + select.",
                      style="dim")
             )
+        console.print()
+    pair = report.get("sendrecv_slowest")
+    if pair:
+        where = " (crosses nodes)" if pair.get("crosses_nodes") else ""
+        console.print(Text(f"slowest pipeline neighbour pair: {pair['group']}{where}, sendrecv "
+                           f"{pair['busbw_gbps']:.4f} GB/s at {_human_bytes(pair['bytes'])}",
+                           style="bold"))
         console.print()
     compute = report.get("compute")
     if compute:

@@ -23,6 +23,8 @@ def bus_factor(op: str, n: int) -> float:
     """nccl-tests' bus-bandwidth factor: 2(n-1)/n for all-reduce, (n-1)/n otherwise."""
     if n <= 1:
         return 0.0
+    if op == "sendrecv":
+        return 1.0  # nccl-tests sendrecv_perf: busbw = algbw
     return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
@@ -128,6 +130,8 @@ def build_spec(
             compiled = [m for m in modes if m != "pynative"]
             if compiled:
                 checks.append({"name": "layers.modes", "params": {"modes": compiled}})
+        if layout.pp > 1:
+            checks.extend(pipeline_checks(dtype, modes))
     if BANDWIDTH in kinds:
         # The compute probe rides with the bandwidth sweep: both feed --calibrate.
         checks.append({"name": "compute.matmul", "params": {"dtype": dtype}})
@@ -144,7 +148,23 @@ def build_spec(
                 },
             }
         )
+        if layout.pp > 1:
+            checks.append({"name": "bandwidth.sendrecv", "params": {
+                "sizes": list(sizes), "iters": iters, "warmup": warmup, "dtype": dtype}})
     return {"layout": {k: v for k, v in layout.to_dict().items()}, "checks": checks}
+
+
+def pipeline_checks(dtype: str, modes) -> list:
+    """What verify runs on a layout with pp > 1: ring_shift on the pp group both ways
+    (``dtype`` and bfloat16, each mode), Megatron's six calls between every neighbouring
+    pair (both directions), and one 1F1B step of a toy stage against the dense model."""
+    dtypes = list(dict.fromkeys([dtype, "bfloat16"]))
+    return [
+        {"name": "p2p.ring", "params": {"groups": ["pp"], "offsets": [1, -1], "dtypes": dtypes,
+                                        "modes": list(modes)}},
+        {"name": "p2p.pipeline", "params": {"dtypes": dtypes}},
+        {"name": "pipeline.step", "params": {"schedules": ["1f1b"], "modes": list(modes)}},
+    ]
 
 
 def _records(ranks: dict):
@@ -174,6 +194,9 @@ def group_crosses_nodes(layout: Layout | None, label: str) -> bool:
     if layout is None:
         return False
     key = label.split("=")[0]
+    if key.startswith("pp:"):  # a neighbour pair of the sendrecv rows: "pp:<a>-<b>"
+        a, b = (int(r) for r in key[3:].split("-"))
+        return layout.node_of(a) != layout.node_of(b)
     if key == "world":
         return layout.num_nodes > 1
     return layout.crossing_group_count(key) > 0
@@ -270,5 +293,37 @@ def build_report(
         "compute": compute_summary(ranks),
         "bandwidth": bandwidth,
         "busbw_misses": misses,
+        "sendrecv_slowest": slowest_pair(bandwidth),
+        "summary": summary_rows(correctness),
         "failures": list(failures),
     }
+
+
+def slowest_pair(rows: list[dict]) -> dict | None:
+    """The neighbour pair with the lowest sendrecv busbw at the largest size, or None."""
+    pairs = [r for r in rows if r["op"] == "sendrecv"]
+    if not pairs:
+        return None
+    top = max(r["bytes"] for r in pairs)
+    worst = min((r for r in pairs if r["bytes"] == top), key=lambda r: r["busbw_gbps"])
+    return {"group": worst["group"], "bytes": worst["bytes"], "busbw_gbps": worst["busbw_gbps"],
+            "time_us": worst["time_us"], "crosses_nodes": worst["crosses_nodes"]}
+
+
+def check_family(check: str) -> str:
+    """``"mapping.copy_to_all"`` -> ``"mapping"``; ``"p2p.error.shape_sender"`` -> ``"p2p"``."""
+    return check.split(".")[0]
+
+
+def summary_rows(correctness: list[dict]) -> list[dict]:
+    """One row per family of checks and mode: rows passed / failed, the worst error."""
+    out: dict = {}
+    for row in correctness:
+        key = (check_family(row["check"]), row.get("mode") or "pynative")
+        s = out.setdefault(key, {"family": key[0], "mode": key[1], "passed": 0, "failed": 0,
+                                 "max_error": None})
+        s["passed" if row["passed"] else "failed"] += 1
+        err = row.get("max_error")
+        if err is not None and (s["max_error"] is None or err > s["max_error"]):
+            s["max_error"] = err
+    return list(out.values())

@@ -10,6 +10,10 @@ optimizer step two reductions make them the gradients of the global loss:
 2. every gradient is AVERAGED over the dp-cp group (the replicas that saw different
    tokens), which is right when each rank's loss is the mean over its own tokens and
    every rank holds as many tokens.
+3. with pipeline parallelism, gradients stay per stage; parameters marked
+   ``param.shared_embedding = True`` (an embedding tied between the first and the last
+   stage, Megatron's name) are SUMMED over the embedding group (first + last stage,
+   ``manager.get_embedding_group()``) first, so both copies take the same step.
 
 Small gradients are packed into flat buffers ("buckets", ``bucket_size_mb`` each) so
 that a model with hundreds of parameters pays a few collective latencies, not hundreds
@@ -115,6 +119,8 @@ class GradientFinalizer(nn.Cell):
         tp_group: Group of the sequence-parallel sum; default the manager's tp group
             (size 1 when the manager is not initialized).
         dp_cp_group: Group of the average; default the manager's dp-cp group.
+        embedding_group: Group of the tied-parameter sum; default the manager's
+            embedding group (size 1 off the first/last stage and when pp == 1).
         bucket_size_mb: Largest flat buffer in MiB; 0 reduces each gradient on its own.
 
     Inputs:
@@ -130,7 +136,8 @@ class GradientFinalizer(nn.Cell):
 
     def __init__(self, params, tp_group: Optional[GroupLike] = None,
                  dp_cp_group: Optional[GroupLike] = None,
-                 bucket_size_mb: float = DEFAULT_BUCKET_MB):
+                 bucket_size_mb: float = DEFAULT_BUCKET_MB,
+                 embedding_group: Optional[GroupLike] = None):
         super().__init__()
         if (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real)
                 or bucket_size_mb < 0):
@@ -160,6 +167,13 @@ class GradientFinalizer(nn.Cell):
         self.dp_buckets = (plan_buckets(range(len(params)), numels, dtypes, bucket_bytes)
                            if dpcp.size > 1 else ())
         self.scale = 1.0 / dpcp.size
+        emb = _group(embedding_group, "get_embedding_group", "embedding")
+        tied = [i for i, p in enumerate(params) if getattr(p, "shared_embedding", False)]
+        self.emb_buckets = plan_buckets(tied, numels, dtypes, bucket_bytes) if emb.size > 1 else ()
+        self.emb_where = _where(self.emb_buckets, len(params))
+        if emb.size > 1:
+            self.emb_eager = C.kernels(emb, False)
+            self.emb_graph = C.kernels(emb, True)
         self.tp_where = _where(self.tp_buckets, len(params))
         self.dp_where = _where(self.dp_buckets, len(params))
         # Both flavours of each group's kernel: the construct picks by mode (a folded
@@ -209,6 +223,11 @@ class GradientFinalizer(nn.Cell):
             return self.tp_graph.all_reduce(x)
         return self.tp_eager.all_reduce(x)
 
+    def _emb_reduce(self, x):
+        if compiling():
+            return self.emb_graph.all_reduce(x)
+        return self.emb_eager.all_reduce(x)
+
     def _dp_reduce(self, x):
         if compiling():
             return self.dp_graph.all_reduce(x)
@@ -222,6 +241,11 @@ class GradientFinalizer(nn.Cell):
                 + str(self.num_params) + " parameters; pass the gradients of exactly the "
                 "parameters the finalizer was built with, in the same order"
             )
+        if self.emb_buckets:
+            reduced = []
+            for bucket in self.emb_buckets:
+                reduced.append(self._unflat(self._emb_reduce(self._flat(grads, bucket)), grads, bucket))
+            grads = self._replace(grads, self.emb_where, reduced)
         if self.tp_buckets:
             reduced = []
             for bucket in self.tp_buckets:
@@ -272,7 +296,8 @@ def finalize_gradients(grads, params, bucket_size_mb: float = DEFAULT_BUCKET_MB)
 def _cached_finalizer(params, bucket_size_mb):
     groups = ()
     if manager.is_initialized():
-        groups = (manager.get_tensor_parallel_group(), manager.get_data_context_parallel_group())
+        groups = (manager.get_tensor_parallel_group(), manager.get_data_context_parallel_group(),
+                  manager.get_embedding_group())
     key = (tuple(p.name for p in params), groups, float(bucket_size_mb))
     cell = _FINALIZERS.get(key)
     if cell is None:

@@ -34,7 +34,7 @@ from .topology import DEFAULT_ORDER, Layout, LayoutError, parse_axis_key
 __all__ = [
     "CommGroup", "CommGroupBase", "CommGroupCreator", "ParallelGroup", "ParallelInitError",
     "ParallelNotInitializedError", "initialize_parallel", "destroy_parallel",
-    "is_initialized", "get_layout", "get_group",
+    "is_initialized", "get_layout", "get_group", "get_embedding_group",
 ]
 
 STANDARD_KEYS = ("tp", "cp", "dp", "pp", "dp-cp")
@@ -142,6 +142,7 @@ def initialize_parallel(
     try:
         for key in STANDARD_KEYS:
             _build_group(state, key)
+        _build_embedding_group(state)
     except BaseException:
         _STATE = None
         raise
@@ -168,6 +169,36 @@ def _build_group(state: _ParallelState, key: str) -> ParallelGroup:
     )
     state.groups[key] = group
     return group
+
+
+def _build_embedding_group(state: _ParallelState) -> ParallelGroup:
+    """Megatron's embedding group: the first and the last stage of this rank's pipeline.
+
+    Tied parameters (an input embedding shared with the output layer) live on both and
+    their gradients are summed over it (:class:`~mindscience.distributed.finalize.
+    GradientFinalizer`). Ranks on the middle stages, and every rank when pp == 1, get a
+    size-1 group. Only the two members create the communicator (pp == 2: the pipeline
+    group's own).
+    """
+    pp = state.groups["pp"]
+    ends = (pp.ranks[0], pp.ranks[-1])
+    if pp.size == 1 or state.rank not in ends:
+        group = ParallelGroup.trivial("embedding", state.rank)
+    elif pp.size == 2:
+        group = ParallelGroup(key="embedding", ranks=ends, rank=ends.index(state.rank),
+                              backend_name=pp.backend_name)
+    else:
+        name = f"msd{state.generation}-emb-{state.layout.group_index(state.rank, 'pp')}"
+        _create_backend_group(name, list(ends))
+        group = ParallelGroup(key="embedding", ranks=ends, rank=ends.index(state.rank),
+                              backend_name=name)
+    state.groups["embedding"] = group
+    return group
+
+
+def get_embedding_group() -> ParallelGroup:
+    """The embedding group (first + last pipeline stage) of this rank; size 1 elsewhere."""
+    return _state().groups["embedding"]
 
 
 def _describe(layout: Layout) -> str:

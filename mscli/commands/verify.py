@@ -191,6 +191,7 @@ def verify(
     loopback_nodes: Optional[int] = typer.Option(None, "--loopback-nodes", help="Simulate this many nodes on this machine over loopback."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the msrun command of every node and exit."),
     log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Folder for msrun logs and per-rank results."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every correctness row, not only the summary and the failures."),
     inject_fault: Optional[str] = typer.Option(None, "--inject-fault", hidden=True, help="Testing: crash:RANK[:mode] or hang:RANK[:s]."),
 ) -> None:
     """Launch the layout's ranks, check every group, mapping and layer, and measure bandwidth."""
@@ -230,7 +231,7 @@ def verify(
     if fmt == "json":
         render.print_json(report)
     else:
-        render.render_verify(report)
+        render.render_verify(report, verbose=verbose)
     if plot:
         with user_errors():
             pictures.save_bandwidth(report, plot)

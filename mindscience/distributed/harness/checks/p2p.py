@@ -233,3 +233,49 @@ def _errors(manager):
                                "same shape and dtype"))
     rec("ring_offset", *_raises(lambda: p2p.ring_shift(x, g, 1.5), TypeError, "offset=1.5"))
     return records
+
+
+@check("bandwidth.sendrecv")
+def sendrecv(ctx: CheckContext, sizes=(1024, 262144), iters=3, warmup=1, dtype="float32",
+             layout=None) -> list:
+    """nccl-tests' sendrecv per neighbouring pipeline pair: both ranks send ``bytes`` to each
+    other at once (one exchange), pair after pair; the other ranks wait. One record per pair
+    and size, ``"group": "pp:<a>-<b>"`` (global ranks), ``"op": "sendrecv"``."""
+    return under_layout(ctx, layout, lambda manager: _sendrecv(manager, sizes, iters, warmup, dtype))
+
+
+def _sendrecv(manager, sizes, iters, warmup, dtype):
+    from mindscience.distributed import p2p
+
+    g = manager.get_pipeline_parallel_group()
+    p, i = g.size, g.rank
+    me = g.ranks[i]
+    itemsize = 4 if dtype == "float32" else 2
+    records = []
+    layout = manager.get_layout()
+    for s in range(p - 1):
+        if i not in (s, s + 1):
+            continue
+        other = g.ranks[s + 1] if i == s else g.ranks[s]
+        lk = p2p.link(me, other, me, False)
+        label = f"pp:{min(me, other)}-{max(me, other)}"
+        for size in sizes:
+            n = max(1, int(size) // itemsize)
+            x = ms.Tensor(_x(me, (n,)) % 8, _DT[dtype])
+            want = _x(other, (n,)) % 8
+            for _ in range(warmup):
+                lk.exchange(x)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                y = lk.exchange(x)
+            y.asnumpy()
+            elapsed = (time.perf_counter() - t0) / iters
+            wrong = int((y.astype(ms.float32).asnumpy() != want).sum())
+            records.append({
+                "check": "bandwidth", "op": "sendrecv", "group": label, "group_size": 2,
+                "bytes": n * itemsize, "dtype": dtype, "time_us": elapsed * 1e6, "wrong": wrong,
+                "composed": p2p.C.get_backend().name == "composed",
+                "stages": [s, s + 1],
+                "crosses_nodes": layout.node_of(me) != layout.node_of(other),
+            })
+    return records

@@ -111,3 +111,56 @@ def _steps(manager, schedules, modes, m, dim):
                 "passed": bool(max(lerr, gerr) <= 1e-5 and peak == expect_peak),
             })
     return records
+
+
+@check("training.finalize_embedding")
+def finalize_embedding(ctx: CheckContext, modes=("pynative", "jit"), layout=None) -> list:
+    """GradientFinalizer with pp: tied (``shared_embedding``) gradients summed over the
+    embedding group (first + last stage), then every gradient averaged over dp-cp, vs numpy."""
+    return under_layout(ctx, layout, lambda manager: _finalize_embedding(ctx, manager, modes))
+
+
+def _gvals(world_rank, index, shape):
+    n = int(np.prod(shape))
+    return ((np.arange(n) % 5 + world_rank + 3 * index) % 8).reshape(shape).astype(np.float32)
+
+
+def _finalize_embedding(ctx, manager, modes):
+    import mindspore as ms
+
+    from mindscience.distributed.finalize import GradientFinalizer
+
+    from .training import _call
+
+    lay = manager.get_layout()
+    shapes = ((4, 3), (5,), (2, 2))
+    tied = (True, False, True)
+    params = []
+    for k, (shape, t) in enumerate(zip(shapes, tied)):
+        prm = ms.Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=f"e{k}")
+        if t:
+            prm.shared_embedding = True
+        params.append(prm)
+    grads = tuple(ms.Tensor(_gvals(ctx.rank, k, s)) for k, s in enumerate(shapes))
+
+    def ends(rank):
+        pp = lay.group_of(rank, "pp")
+        return [pp[0], pp[-1]] if len(pp) > 1 and rank in (pp[0], pp[-1]) else [rank]
+
+    dpcp = lay.group_of(ctx.rank, "dp-cp")
+    want = []
+    for k, (shape, t) in enumerate(zip(shapes, tied)):
+        acc = np.zeros(shape, np.float64)
+        for d in dpcp:
+            acc += sum(_gvals(e, k, shape) for e in ends(d)) if t else _gvals(d, k, shape)
+        want.append(acc / len(dpcp))
+    emb = manager.get_embedding_group()
+    records = []
+    for mode in modes:
+        fin = GradientFinalizer(params)
+        got = _call(fin, grads, mode)
+        err = max(float(np.abs(g.asnumpy() - w).max()) for g, w in zip(got, want))
+        records.append({"check": "training.finalize_embedding", "group": "embedding+dp-cp",
+                        "mode": mode, "embedding_group": list(emb.ranks), "max_error": err,
+                        "passed": bool(err == 0.0)})
+    return records
