@@ -320,3 +320,14 @@ def test_verify_report_keeps_compute_latency_and_node_crossing():
                                                     + sorted(r["busbw_gbps"] for r in report["bandwidth"]
                                                              if r["bytes"] == 262144)[1] / 2)
     assert cluster.inter_node_latency_us == pytest.approx(300.0) and sources["intra_node_gbps"] == "default"
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 16)])
+def test_1f1b_bubble_matches_the_simulated_schedule(p, m):
+    # The cost model's (p - 1)/m is the idle time of the schedule msdist plan prints and the runtime runs.
+    from mindscience.distributed.costmodel.memory import pipeline_bubble
+    from mindscience.distributed.pipeline.plan import schedule_data
+
+    data = schedule_data(p, "1f1b", m)
+    work = 3 * m  # a forward lasts 1 unit, a backward 2, per micro-batch
+    assert (data["makespan"] - work) / work == pytest.approx(pipeline_bubble(p, m))
