@@ -16,7 +16,6 @@ from __future__ import annotations
 import numbers
 from typing import Optional
 
-import mindspore as ms
 from mindspore import nn
 
 from ..linear import ColumnParallelLinear, RowParallelLinear, _tp_group
@@ -98,11 +97,6 @@ class ContextParallelAttention(nn.Cell):
                                         gather_output=False, **f)
         self.out = RowParallelLinear(num_heads * self.head_dim, hidden_size,
                                      input_is_parallel=True, **f)
-        if method == "ring" and self.cp.size > 1:
-            # The ring's pair communicators are made eagerly here: compiled code cannot.
-            from ... import p2p
-
-            p2p.ring_shift(ms.Tensor([0.0], ms.float32), self.cp, 1)
 
     def construct(self, x, split_sizes=None):
         s, b, _ = x.shape

@@ -107,7 +107,7 @@ def _cell(method, g, sizes, causal, load_balance, n, n_kv, d, scale):
     cell = _CELLS.get(key)
     if cell is None:
         if method == "ring":
-            cell = _RingOutput(g, sizes, causal, load_balance, n, n_kv, d, scale)
+            cell = _RingOutput(g, sizes, causal, load_balance, n, n_kv, d, scale, compiled)
         elif method == "ulysses":
             cell = _Ulysses(g, sizes, causal, n, n_kv, d, scale)
         else:

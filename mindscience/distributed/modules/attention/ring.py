@@ -28,6 +28,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import mint, nn, ops
 
+from ... import collectives as C
 from ... import p2p
 from .core import AttentionMath, positions, segments_of, to_f32, visibility
 
@@ -72,10 +73,27 @@ class _Plan:
         self.steps = tuple(self.steps)
 
 
+def ring_shift_cell(group, compiled):
+    """The cell of ``p2p.ring_shift(x, group, 1)`` for eager or compiled code.
+
+    The backward cannot call the ``ring_shift`` function: inside a ``bprop``
+    ``collectives.compiling()`` is not folded (docs/COMPILED_MODE.md), so the function
+    would take its eager path in a compiled graph. The cell, chosen once here, serves
+    both directions. (p2p's own cache, so the same communicators are shared.)
+    """
+    key = (group, 1, compiled, C.get_backend().name if not compiled else None)
+    cell = p2p._RING_CELLS.get(key)
+    if cell is None:
+        cell = p2p._RingShift(group, 1, compiled)
+        p2p._RING_CELLS[key] = cell
+    return cell
+
+
 class _RingBase(nn.Cell):
-    def __init__(self, group, plan, n_heads, n_kv, head_dim, scale, local_rows):
+    def __init__(self, group, plan, n_heads, n_kv, head_dim, scale, local_rows, compiled):
         super().__init__()
         self.group = group
+        self.shifter = ring_shift_cell(group, compiled)
         self.n_steps = group.size
         self.math = AttentionMath(n_heads, n_kv, scale)
         self.q_segs = plan.q_segs
@@ -88,7 +106,7 @@ class _RingBase(nn.Cell):
         self.scale = scale
 
     def shift(self, x):
-        return p2p.ring_shift(x, self.group, 1, check=False)
+        return self.shifter(x)
 
     def pad(self, x):
         """``x`` (rows, ...) padded with zero rows to the block size ``m``."""
@@ -183,11 +201,13 @@ class _RingBackward(_RingBase):
 class RingAttention(_RingBase):
     """construct -> (out, lse); bprop -> the ring backward. One per static configuration."""
 
-    def __init__(self, group, sizes, causal, load_balance, n_heads, n_kv, head_dim, scale):
+    def __init__(self, group, sizes, causal, load_balance, n_heads, n_kv, head_dim, scale,
+                 compiled=False):
         plan = _Plan(group, sizes, causal, load_balance, n_heads // n_kv)
         local_rows = sizes[group.rank]
-        super().__init__(group, plan, n_heads, n_kv, head_dim, scale, local_rows)
-        self.backward = _RingBackward(group, plan, n_heads, n_kv, head_dim, scale, local_rows)
+        super().__init__(group, plan, n_heads, n_kv, head_dim, scale, local_rows, compiled)
+        self.backward = _RingBackward(group, plan, n_heads, n_kv, head_dim, scale, local_rows,
+                                      compiled)
 
     def construct(self, q, k, v):
         math = self.math
