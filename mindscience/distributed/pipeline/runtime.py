@@ -59,6 +59,16 @@ _LEARNED: dict = {}  # (group, schedule, m, v) -> {(direction, peer, chunk): (sh
 
 
 _LAST: dict = {}
+# Benchmarks set TIMING["intervals"] = [] to get (kind, start, end) of every step, each
+# ended by a device synchronization (which costs time: off by default).
+TIMING: dict = {}
+
+
+def _now() -> float:
+    import time
+
+    ms.runtime.synchronize()
+    return time.perf_counter()
 
 
 def last_peak() -> int:
@@ -263,14 +273,18 @@ class _Run:
         self.peak = 0
 
     def execute(self):
+        timing = TIMING.get("intervals")
         for step in self.sched.steps[self.i]:
             a = step[0]
+            t0 = _now() if timing is not None else 0.0
             if a.kind == "F":
                 self.forward(a.microbatch, a.chunk)
             elif a.kind == "B":
                 self.backward(a.microbatch, a.chunk)
             else:
                 self.transfer(step)
+            if timing is not None:
+                timing.append((a.kind, t0, _now()))
 
     def _accumulate(self, c, grads):
         acc = self.grads[c]
