@@ -10,7 +10,7 @@ MindSpore in: ``msdist plan`` starts in a fraction of a second.
 import importlib
 
 _SUBMODULES = ("topology", "group", "manager", "collectives", "mappings", "modules", "finalize",
-               "harness", "sharding", "checkpoint")
+               "harness", "sharding", "checkpoint", "p2p", "pipeline")
 
 # Names re-exported at the package level (upstream exports initialize_parallel here),
 # each loaded from its module on first access.
@@ -22,6 +22,8 @@ _EXPORTS = {
     "RowParallelLinear": "modules",
     "initialize_affine_weight": "modules",
     "GradientFinalizer": "finalize",
+    "forward_backward": "pipeline",
+    "ring_shift": "p2p",
     "finalize_gradients": "finalize",
     "mark_sharding": "sharding",
     "get_sharding": "sharding",
