@@ -55,7 +55,7 @@ class PipelineError(ValueError):
 
 # Compiled functions stay alive for the process (MindSpore caches them by identity).
 _COMPILED: dict = {}
-_LEARNED: dict = {}  # (group, schedule, m, v) -> {(direction, peer, chunk): (shape, dtype)}
+_LEARNED: dict = {}  # (group, schedule, m, v, mode, cells) -> {(direction, peer, chunk): (shape, dtype)}
 
 
 _LAST: dict = {}
@@ -222,7 +222,9 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     cells = list(stage) if schedule == "interleaved" else [stage]
     m, v = len(inputs), len(cells)
     sched = build(schedule, p, m, v)
-    key = (g.ranks, schedule, m, v, mode)
+    # Per model too: another stage (or another activation_shape) learns its shapes anew.
+    key = (g.ranks, schedule, m, v, mode, tuple(id(c) for c in cells),
+           None if activation_shape is None else tuple(activation_shape))
     learned = _LEARNED.get(key)
     first_call = learned is None
     if first_call:
