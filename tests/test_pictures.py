@@ -405,6 +405,7 @@ def test_verify_plot_after_a_launch(tmp_path, monkeypatch):
 
 def one_line_error(result, *fragments):
     assert result.exit_code == 2, result.output
+    assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("msdist: error: ") and "Traceback" not in result.stderr
     for fragment in fragments:
