@@ -97,10 +97,9 @@ def _world():
 
 
 def _barrier(layout: Layout) -> None:
-    if layout.world_size > 1:
-        from mindspore import mint
-
-        mint.distributed.barrier()
+    """Every rank got here. A blocking world all-reduce: ``mint.distributed.barrier``
+    returns at once on CPU (it logs "CPU device is not supported"; measured)."""
+    _world_sum(layout, np.ones(1, np.float32))
 
 
 def _world_sum(layout: Layout, values: np.ndarray) -> np.ndarray:
@@ -119,13 +118,14 @@ def _to_numpy(param):
         f32 = param.astype(ms.float32).asnumpy()
         return "BF16", (f32.view(np.uint32) >> 16).astype(np.uint16)
     arr = param.asnumpy()
-    return st_dtype_of(arr), np.ascontiguousarray(arr)
+    return st_dtype_of(arr), np.require(arr, requirements="C")
 
 
 def _to_tensor(array: np.ndarray, tag: str, param) -> ms.Tensor:
     if tag == "BF16":
         array = (array.astype(np.uint32) << 16).view(np.float32)
-    return ms.Tensor(np.ascontiguousarray(array)).astype(param.dtype)
+    # np.require, not ascontiguousarray: that one turns a 0-d array (a step counter) 1-d.
+    return ms.Tensor(np.require(array, requirements="C")).astype(param.dtype)
 
 
 def _layout_dict(layout: Layout) -> dict:
