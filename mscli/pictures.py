@@ -289,7 +289,8 @@ def draw_time(ax, time: dict) -> None:
         extra.append(f"MFU {100 * time['mfu']:.0f}%")
     ax.set_title(f"step {time['step_time_s']:.3g} s" + ("\n" + ", ".join(extra) if extra else ""), fontsize=9,
                  loc="left")
-    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    handles, labels = ax.get_legend_handles_labels()  # top of the stack first, as drawn
+    ax.legend(handles[::-1], labels[::-1], fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
 # ------------------------------------------------------------------ pipeline timeline
