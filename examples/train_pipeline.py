@@ -224,16 +224,39 @@ def my_layers(schedule: str, p: int, i: int, n_layers: int, v: int) -> list:
     return [list(range(i * per, (i + 1) * per))]
 
 
-def train_pipeline(schedule, mode, weights, batches, lr, microbatches, dims, v):
-    """Train under one schedule; returns the global loss curve, final weights, step time."""
+_MODELS: dict = {}
+
+
+def _model(schedule, mode, weights, dims, v):
+    """This rank's chunks for ``schedule``, at the initial weights.
+
+    1F1B and GPipe cut the model alike, so they share the cells (and, under jit, the
+    compiled stage functions); the weights are reset before each schedule trains.
+    """
     tp = manager.get_tensor_parallel_group()
     pp = manager.get_pipeline_parallel_group()
+    cut = "interleaved" if schedule == "interleaved" else "plain"
+    key = (cut, mode, len(weights), dims, v, pp.ranks)
+    held = _MODELS.get(key)
+    if held is None:
+        chunks_idx = my_layers(schedule, pp.size, pp.rank, len(weights), v)
+        chunks = [Stage(build_layers(idx, weights, tp, *dims)) for idx in chunks_idx]
+        # One container gives the chunks' parameters unique names ("0.layers.0...",
+        # "1.layers.0...") for the optimizer; each chunk still runs (and compiles) on its own.
+        holder = nn.CellList(chunks)
+        held = _MODELS[key] = (chunks_idx, chunks, holder)
+    chunks_idx, chunks, holder = held
+    for c, idx in enumerate(chunks_idx):
+        for p in chunks[c].trainable_params():
+            p.set_data(ms.Tensor(shard(p.name, weights[idx[_layer_index(p.name)]][_short(p.name)], tp)))
+    return chunks_idx, chunks, holder
+
+
+def train_pipeline(schedule, mode, weights, batches, lr, microbatches, dims, v):
+    """Train under one schedule; returns the global loss curve, final weights, step time."""
+    pp = manager.get_pipeline_parallel_group()
     dp = manager.get_data_parallel_group()
-    chunks_idx = my_layers(schedule, pp.size, pp.rank, len(weights), v)
-    chunks = [Stage(build_layers(idx, weights, tp, *dims)) for idx in chunks_idx]
-    # One container gives the chunks' parameters unique names ("0.layers.0...", "1.layers.0...")
-    # for the optimizer; each chunk still runs (and compiles) on its own.
-    holder = nn.CellList(chunks)
+    chunks_idx, chunks, holder = _model(schedule, mode, weights, dims, v)
     stage = list(holder) if schedule == "interleaved" else chunks[0]
     params = stage_parameters(stage)
     opt = nn.SGD(params, learning_rate=lr)

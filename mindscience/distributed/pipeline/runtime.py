@@ -235,7 +235,7 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     fns = []
     for c, cell in enumerate(cells):
         gidx = c * p + i
-        fkey = (id(cell), schedule, m, mode, gidx == 0, gidx == stages - 1)
+        fkey = (id(cell), m, mode, gidx == 0, gidx == stages - 1)  # any schedule
         f = _COMPILED.get(fkey)
         if f is None:
             f = _StageFns(cell, loss_fn, 1.0 / m, mode, gidx == 0, gidx == stages - 1)
