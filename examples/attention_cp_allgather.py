@@ -36,7 +36,7 @@ import sys
 from mindspore import mint, nn
 
 import _common as C
-from mindscience.distributed import mappings
+from mindscience.distributed.modules import context_parallel_attention
 
 
 class AllGatherKVAttention(nn.Cell):
@@ -51,13 +51,11 @@ class AllGatherKVAttention(nn.Cell):
     def construct(self, x, split_sizes=None):
         # split_sizes: rows of each cp rank for an uneven sequence (None: S/cp each)
         q, k, v = C.split_qkv(self.qkv(x), self.head_dim)   # each (S/cp, B, h, hd)
-        k = mappings.gather_from_sequence(k, self.cp, split_sizes=split_sizes)  # (S, B, h, hd)
-        v = mappings.gather_from_sequence(v, self.cp, split_sizes=split_sizes)
-        if split_sizes is None:
-            offset = self.cp.rank * x.shape[0]               # global position of my row 0
-        else:
-            offset = mappings.split_offsets(split_sizes)[self.cp.rank]
-        return self.proj(C.softmax_attention(q, k, v, self.causal, q_offset=offset))
+        # the library gathers k and v (split_sizes for an uneven sequence) and masks with
+        # the global positions of this rank's queries
+        out = context_parallel_attention(q, k, v, self.cp, method="allgather_kv",
+                                         causal=self.causal, split_sizes=split_sizes)
+        return self.proj(out.reshape(x.shape[0], x.shape[1], -1))
 
 
 def run(seq_len: int = 8, batch: int = 2, d_model: int = 16, num_heads: int = 4,

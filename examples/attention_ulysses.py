@@ -23,7 +23,9 @@ no offset:
     msrun --worker_num=4 --local_worker_num=4 --master_port=8118 --log_dir=logs/attn_uly_uneven \
           --join=True examples/attention_ulysses.py --seq-len 1003
 
-Shape convention (see ``mindscience.distributed.mappings``): "hidden" is the last dim
+The library does the all-to-alls: ``modules.context_parallel_attention(q, k, v, cp,
+method="ulysses")`` (this script only adds the projections around it). Shape convention
+(see ``mindscience.distributed.mappings``): "hidden" is the last dim
 and "sequence" the first; ``all_to_all_from_sequence_to_hidden`` takes a hidden-complete
 sequence chunk ``(S/G, ..., H)`` to a sequence-complete hidden chunk ``(S, ..., H/G)``,
 and ``all_to_all_from_hidden_to_sequence`` is its inverse. The fused qkv features are
@@ -41,7 +43,7 @@ import sys
 from mindspore import mint, nn
 
 import _common as C
-from mindscience.distributed import mappings
+from mindscience.distributed.modules import context_parallel_attention
 
 
 class UlyssesAttention(nn.Cell):
@@ -57,14 +59,10 @@ class UlyssesAttention(nn.Cell):
 
     def construct(self, x, split_sizes=None):
         # split_sizes: rows of each cp rank for an uneven sequence (None: S/cp each)
-        qkv = self.qkv(x)                                                # (S/cp, B, 3D)
-        qkv = mappings.all_to_all_from_sequence_to_hidden(
-            qkv, self.cp, split_sizes=split_sizes)                       # (S, B, 3D/cp)
-        q, k, v = C.split_qkv(qkv, self.head_dim)
-        out = C.softmax_attention(q, k, v, self.causal)                  # (S, B, D/cp)
-        out = mappings.all_to_all_from_hidden_to_sequence(
-            out, self.cp, split_sizes=split_sizes)                       # (S/cp, B, D)
-        return self.proj(out)
+        q, k, v = C.split_qkv(self.qkv(x), self.head_dim)            # (S/cp, B, h, hd) each
+        out = context_parallel_attention(q, k, v, self.cp, method="ulysses", causal=self.causal,
+                                         split_sizes=split_sizes)   # (S/cp, B, h, hd)
+        return self.proj(out.reshape(x.shape[0], x.shape[1], -1))
 
 
 def run(seq_len: int = 8, batch: int = 2, d_model: int = 16, num_heads: int = 4,

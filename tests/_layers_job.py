@@ -13,7 +13,7 @@ import functools
 WORLD_SIZE = 4
 # 240 s before the uneven cases; they added ~12 s (+15%) to a ~76 s run (measured without
 # the compiled-modes step), so the limit grew in proportion.
-TIMEOUT_S = 275
+TIMEOUT_S = 275 + 150  # + the issue-17 checks (vocab, RNG, attention), measured below
 
 _TP4 = {"tp": 4}
 _TP2_CP2 = {"tp": 2, "cp": 2}
@@ -43,6 +43,18 @@ SPEC = {
                                              "split_sizes": UNEVEN_SPLIT, "compute_dtype": "bfloat16"}},
         {"name": "layers.row", "params": {**_TP4, **_SP, "input_is_parallel": True,
                                           "split_sizes": UNEVEN_SPLIT, "compute_dtype": "bfloat16"}},
+        # vocabulary-parallel embedding / cross-entropy, the RNG tracker (issue 17)
+        {"name": "vocab.embedding", "params": {**_TP4, "modes": ["pynative"],
+                                               "dtypes": ["float32", "bfloat16"]}},
+        {"name": "vocab.embedding", "params": {**_TP4, "modes": ["jit"], "dtypes": ["float32"]}},
+        {"name": "vocab.embedding", "params": {**_TP4, "modes": ["graph"], "dtypes": ["bfloat16"]}},
+        {"name": "vocab.cross_entropy", "params": {**_TP4}},  # PyNative: 2 smoothings x 2 dtypes
+        {"name": "vocab.cross_entropy", "params": {**_TP4, "modes": ["jit"], "smoothings": [0.1],
+                                                   "dtypes": ["bfloat16"]}},
+        {"name": "vocab.cross_entropy", "params": {**_TP4, "modes": ["graph"], "smoothings": [0.1],
+                                                   "dtypes": ["float32"]}},
+        {"name": "vocab.errors", "params": _TP4},
+        {"name": "random.tracker", "params": _TP4},
         # compiled: ms.jit of the grad function, construct = ms.jit(construct), GRAPH_MODE
         {"name": "layers.modes", "params": {**_TP2_CP2, "modes": ["jit"], "configs": "all"}},
         {"name": "layers.modes", "params": {**_TP2_CP2, "modes": ["jit-construct", "graph"]}},
@@ -54,9 +66,16 @@ SPEC = {
         {"name": "examples.attention_tp", "params": _TP2_CP2},
         {"name": "examples.attention_ulysses", "params": _TP2_CP2},
         {"name": "examples.attention_cp_allgather", "params": _TP2_CP2},
+        # context-parallel attention compiled (cp = 2) and the tp x cp layer (issue 17)
+        {"name": "attention.methods", "params": {**_TP2_CP2, "modes": ["jit"], "cases": "compiled"}},
+        {"name": "attention.methods", "params": {**_TP2_CP2, "modes": ["graph"], "cases": "ring"}},
+        {"name": "attention.layer", "params": _TP2_CP2},
         # uneven sequence: S = 1,003 over cp = 4 (split_sizes [251, 251, 251, 250])
         {"name": "examples.attention_ulysses", "params": UNEVEN_ATTENTION},
         {"name": "examples.attention_cp_allgather", "params": UNEVEN_ATTENTION},
+        # every context-parallel method on cp = 4, PyNative (issue 17)
+        {"name": "attention.methods", "params": {**_CP4, "cases": "suite"}},
+        {"name": "attention.errors", "params": _CP4},
     ]
 }
 

@@ -150,17 +150,56 @@ def default_cases(methods=("ring", "ulysses", "allgather_kv"), dtypes=("float32"
     return cases
 
 
+def suite_cases() -> list:
+    """The test suite's PyNative set: every method x causal x split, with GQA on the uneven
+    splits (MHA is GQA with one query head per group, the same code), plus the zigzag ring
+    with and without GQA, plus one uneven MHA case per method."""
+    cases = []
+    for method, causal, split in itertools.product(("ring", "ulysses", "allgather_kv"),
+                                                   (False, True), ("even", "uneven")):
+        cases.append(dict(method=method, causal=causal, gqa=split == "uneven", split=split))
+    cases += [dict(method="ring", causal=True, gqa=g, split="zigzag") for g in (False, True)]
+    return cases
+
+
+def compiled_cases() -> list:
+    """The compiled set: each method causal, GQA, uneven (one graph)."""
+    return [dict(method=m, causal=True, gqa=True, split="uneven")
+            for m in ("ring", "ulysses", "allgather_kv")]
+
+
+def ring_cases() -> list:
+    """The ring's other layouts: zigzag (GQA) and a bfloat16 non-causal even ring."""
+    return [dict(method="ring", causal=True, gqa=True, split="zigzag"),
+            dict(method="ring", causal=False, gqa=False, split="even", dtype="bfloat16")]
+
+
+CASE_SETS = {"all": default_cases, "suite": suite_cases, "compiled": compiled_cases,
+             "ring": ring_cases}
+
+
 @check("attention.methods")
 def methods(ctx: CheckContext, tp=None, cp=None, modes=("pynative",), cases=None,
             methods=("ring", "ulysses", "allgather_kv"), dtypes=("float32",), **sizes) -> list:
-    """Each case in each mode against dense attention (see the module docstring)."""
+    """Each case in each mode against dense attention (see the module docstring).
+
+    ``cases``: a list of case dicts, or the name of a set: ``"all"`` (default: every method
+    x causal x GQA x split, :func:`default_cases`), ``"suite"``, ``"compiled"``."""
     from mindscience.distributed import manager
 
     from .modes import _COMPILED_KEEP_ALIVE, differentiate_batch, value_and_grad
 
     _ensure_parallel(ctx, tp, cp)
     group = manager.get_context_parallel_group()
-    specs = cases if cases is not None else default_cases(tuple(methods), tuple(dtypes))
+    if cases is None or cases == "all":
+        specs = default_cases(tuple(methods), tuple(dtypes))
+    elif isinstance(cases, str):
+        if cases not in CASE_SETS:
+            raise ValueError(f"cases={cases!r} is invalid: expected a list of cases or one of "
+                             f"{sorted(CASE_SETS)}")
+        specs = CASE_SETS[cases]()
+    else:
+        specs = cases
     records = []
     for mode in modes:
         built = [_AttnCase(group, **spec, **sizes) for spec in specs]
@@ -228,4 +267,57 @@ def errors(ctx: CheckContext, tp=None, cp=None) -> list:
         records.append({"check": "attention.errors", "group": "cp", "case": f"cp={n} {name}",
                         "passed": outcome == "ValueError" and calls == 0, "max_error": 0.0,
                         "raised": outcome, "collective_calls": calls, "message": message})
+    return records
+
+
+@check("attention.layer")
+def layer(ctx: CheckContext, tp=None, cp=None, methods=("ring", "ulysses", "allgather_kv"),
+          causal=True, hidden=32, heads=8, groups=4, seq_len=8, batch=2, seed=0) -> list:
+    """``ContextParallelAttention`` on tp x cp against the same layer on size-1 groups (the
+    dense model, same seed): output, input gradient, weight gradients (summed over cp)."""
+    import mindspore as ms
+
+    from mindscience.distributed import collectives, manager
+    from mindscience.distributed.group import ParallelGroup
+    from mindscience.distributed.modules import ContextParallelAttention
+
+    tp_g = _ensure_parallel(ctx, tp, cp)
+    cp_g = manager.get_context_parallel_group()
+    rng = np.random.default_rng(seed + 5)
+    x_full = rng.standard_normal((seq_len, batch, hidden)).astype(np.float32)
+    cot_full = rng.standard_normal((seq_len, batch, hidden)).astype(np.float32)
+    rows = np.arange(cp_g.rank * seq_len // cp_g.size, (cp_g.rank + 1) * seq_len // cp_g.size)
+    records = []
+    for method in methods:
+        opts = dict(num_query_groups=groups, method=method, causal=causal,
+                    compute_dtype=ms.float32)
+        results = []
+        for net_groups, x, cot in (
+                ((ParallelGroup.trivial("tp"), ParallelGroup.trivial("cp")), x_full, cot_full),
+                ((tp_g, cp_g), x_full[rows], cot_full[rows])):
+            ms.set_seed(seed)
+            net = ContextParallelAttention(hidden, heads, tp_group=net_groups[0],
+                                           cp_group=net_groups[1], **opts)
+            params = net.trainable_params()
+            cot_t = ms.Tensor(cot)
+
+            def loss_fn(inp, net=net, cot_t=cot_t):
+                out = net(inp)
+                return (out * cot_t).sum(), out
+
+            (_, out), (dx, grads) = ms.value_and_grad(loss_fn, 0, params, has_aux=True)(ms.Tensor(x))
+            results.append((out.asnumpy(), dx.asnumpy(),
+                            {p.name: g for p, g in zip(params, grads)}))
+        (d_out, d_dx, d_g), (p_out, p_dx, p_g) = results
+        errors = {"output": _err(p_out, d_out[rows]), "grad input": _err(p_dx, d_dx[rows])}
+        for name, dim in (("qkv.weight", 0), ("qkv.bias", 0), ("out.weight", 1)):
+            total = collectives.all_reduce(p_g[name], cp_g)
+            want = np.split(d_g[name].asnumpy(), tp_g.size, axis=dim)[tp_g.rank]
+            errors[f"grad {name} (sum over cp)"] = _err(total, want)
+        max_error = max(errors.values())
+        records.append({"check": "attention.layer", "group": "tp-cp",
+                        "case": f"tp={tp_g.size} cp={cp_g.size} {method} causal={causal} "
+                                f"N={heads}/{groups}", "mode": "pynative",
+                        "passed": bool(max_error <= 1e-4), "max_error": max_error,
+                        "errors": errors, "atol": 1e-4})
     return records
