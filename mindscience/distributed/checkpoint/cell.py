@@ -223,7 +223,7 @@ def load(cell, directory, *, strict: bool = True) -> dict:
                     f"parameter {name!r}: this rank's shape is {tuple(param.shape)}, but the "
                     f"checkpoint's global shape {tuple(entry['shape'])} split as {sharding} at "
                     f"tp={layout.tp} gives {want}.")
-            values.append((param, name, _to_tensor(reader.read_piece(name, piece),
+            values.append((param, name, _to_tensor(np.array(reader.read_piece(name, piece)),
                                                    entry["dtype"], param)))
     except CheckpointError as err:
         error = err

@@ -182,7 +182,8 @@ class CheckpointReader:
 
     def read_box(self, name: str, box: dict) -> np.ndarray:
         """The global slice of ``name`` given by ``box`` ({dim: (start, stop)}, other dims
-        whole), assembled from the shards that intersect it."""
+        whole), assembled from the shards that intersect it. May be a read-only view of
+        the memory-mapped file: copy it (``np.array``) to keep it."""
         entry = self.params[name]
         shape = list(entry["shape"])
         for d, (a, b) in box.items():
@@ -210,8 +211,10 @@ class CheckpointReader:
                 else:
                     covered = None
                 part = self.view(shard)[tuple(src)]
-                if sd is None:
-                    return np.array(part)
+                if (sd is None or tuple(part.shape) == tuple(shape)) and part.flags.c_contiguous:
+                    # One shard holds the whole box contiguously: hand out the memory-mapped
+                    # slice itself (no copy; the caller copies or streams it).
+                    return part
                 if out is None:
                     out = np.empty(shape, part.dtype)
                 out[tuple(dst)] = part
