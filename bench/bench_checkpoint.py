@@ -11,7 +11,8 @@ psutil (and read from ``getrusage`` after it exits, which includes mapped file p
 
 * ``cp -r`` of the checkpoint directory (the disk's copy speed, same disk);
 * ``reshard`` tp2 -> tp4 (``offline.reshard``: reads every element once through memory
-  maps, checksums each source tensor, writes and checksums the new files);
+  maps, checksums each source tensor, writes and checksums the new files), and the same
+  with ``verify=False`` (``--no-verify``: the source checksums are not recomputed);
 * ``inspect`` without checksums (manifest + headers + sizes) and with them (reads all).
 
 Throughput is bytes of tensor data over wall time. Nothing is dropped from the page
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
         tp4 = os.path.join(root, "tp4.yaml")
         with open(tp4, "w") as fh:
             fh.write("world_size: 4\ntp: 4\n")
-        runs = {"cp": [], "reshard": [], "inspect_fast": [], "inspect_checksums": []}
+        runs = {"cp": [], "reshard": [], "reshard_no_verify": [], "inspect_fast": [],
+                "inspect_checksums": []}
         for _ in range(args.repeat):
             for path in (out, root + "/copy"):
                 shutil.rmtree(path, ignore_errors=True)
@@ -144,6 +146,11 @@ def main(argv=None) -> int:
                 "from mindscience.distributed.checkpoint import offline\n"
                 "from mindscience.distributed.topology.layout import Layout\n"
                 f"offline.reshard({src!r}, {out!r}, Layout(world_size=4, tp=4))")))
+            shutil.rmtree(out)
+            runs["reshard_no_verify"].append(run_child(py(
+                "from mindscience.distributed.checkpoint import offline\n"
+                "from mindscience.distributed.topology.layout import Layout\n"
+                f"offline.reshard({src!r}, {out!r}, Layout(world_size=4, tp=4), verify=False)")))
             runs["inspect_fast"].append(run_child(py(
                 "import time; from mindscience.distributed.checkpoint import offline\n"
                 f"t = time.perf_counter(); d = offline.inspect({out!r}, checksums=False)\n"
@@ -164,6 +171,7 @@ def main(argv=None) -> int:
                 result[key]["ok"] = all(r["stdout"].split()[1] == "True" for r in rs)
         result["reshard"]["ru_maxrss_mib"] = max(r["ru_maxrss_children"] for r in runs["reshard"]) / 2**20
         result["reshard_vs_cp"] = result["cp"]["best_s"] / result["reshard"]["best_s"]
+        result["reshard_no_verify_vs_cp"] = result["cp"]["best_s"] / result["reshard_no_verify"]["best_s"]
         result["reshard_gib_s"] = nbytes / 2**30 / result["reshard"]["best_s"]
         result["cp_gib_s"] = nbytes / 2**30 / result["cp"]["best_s"]
         result["reshard_peak_rss_vs_largest"] = result["reshard"]["peak_rss_mib"] / (largest / 2**20)

@@ -276,3 +276,24 @@ def test_cli_bad_input_exits_2_in_one_line(tmp_path):
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = _cli("checkpoint", "merge", tmp_path / "a", tmp_path / "a" / "manifest.json")
     assert proc.returncode == 2 and "exists" in proc.stderr
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_inspect_checks_that_replicated_copies_agree(tmp_path, same):
+    """Two pipeline stages both hold the optimizer's step counter: one shard, one copy."""
+    from mindscience.distributed.checkpoint.writer import finish, prepare, write_rank
+
+    lay = Layout(world_size=2, pp=2)
+    tmp = prepare(str(tmp_path / "a"))
+    whole = {"dim": None}
+    for rank in range(2):
+        value = np.array(5 if (same or rank == 0) else 6, np.int32)
+        write_rank(tmp, rank, rank, [("global_step", "I32", (), _sh(), whole, value),
+                                     (f"layers.{rank}.w", "F32", (2,), _sh(), whole, np.ones(2, np.float32))])
+    manifest = finish(str(tmp_path / "a"), 2, lay.to_dict())
+    assert len(manifest["parameters"]["global_step"]["copies"]) == 1
+    data = offline.inspect(str(tmp_path / "a"))
+    assert data["ok"] == same
+    if not same:
+        assert data["problems"] == ["parameter 'global_step': the copy in rank_00001.safetensors "
+                                    "disagrees with the shard it replicates"]

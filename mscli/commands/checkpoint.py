@@ -76,6 +76,8 @@ def reshard_command(
     out: str = typer.Argument(..., help="New checkpoint directory (must not exist)."),
     to: str = typer.Option(..., "--to", help="Layout YAML file of the new layout."),
     fmt: str = typer.Option("rich", "--format", "-f", help="rich or json."),
+    no_verify: bool = typer.Option(False, "--no-verify",
+                                   help="Skip checking the source tensors' checksums (faster)."),
 ) -> None:
     """Write the checkpoint as the --to layout would have saved it (built in OUT.partial)."""
     from mindscience.distributed.checkpoint import CheckpointIntegrityError, offline
@@ -89,7 +91,8 @@ def reshard_command(
         try:
             total = _source_bytes(directory)
             with render_checkpoint.progress(f"reshard to {to}", total) as advance:
-                manifest = offline.reshard(directory, out, layout, progress=advance)
+                manifest = offline.reshard(directory, out, layout, progress=advance,
+                                           verify=not no_verify)
         except CheckpointIntegrityError as err:
             raise _integrity(err) from None
     render_checkpoint.render_written(
