@@ -130,6 +130,7 @@ def build_spec(
             compiled = [m for m in modes if m != "pynative"]
             if compiled:
                 checks.append({"name": "layers.modes", "params": {"modes": compiled}})
+        checks.extend(parallel_layer_checks(layout, dtype, modes))
         if layout.pp > 1:
             checks.extend(pipeline_checks(dtype, modes))
     if BANDWIDTH in kinds:
@@ -152,6 +153,30 @@ def build_spec(
             checks.append({"name": "bandwidth.sendrecv", "params": {
                 "sizes": list(sizes), "iters": iters, "warmup": warmup, "dtype": dtype}})
     return {"layout": {k: v for k, v in layout.to_dict().items()}, "checks": checks}
+
+
+def parallel_layer_checks(layout: Layout, dtype: str, modes) -> list:
+    """The vocabulary-parallel embedding and cross-entropy and the RNG tracker on the tp
+    group (tp > 1); the three context-parallel attentions on the cp group (cp > 1):
+    every method, causal and not, even and uneven in PyNative, and each method causal,
+    GQA, uneven as one graph per compiled mode."""
+    checks = []
+    compiled = [m for m in modes if m != "pynative"]
+    if layout.tp > 1:
+        checks += [
+            {"name": "vocab.embedding", "params": {"modes": list(modes), "dtypes": [dtype]}},
+            {"name": "vocab.cross_entropy", "params": {"modes": list(modes), "dtypes": [dtype]}},
+            {"name": "vocab.errors", "params": {}},
+            {"name": "random.tracker", "params": {}},
+        ]
+    if layout.cp > 1:
+        if "pynative" in modes:
+            checks.append({"name": "attention.methods", "params": {"cases": "suite"}})
+        if compiled:
+            checks.append({"name": "attention.methods", "params": {"modes": compiled,
+                                                                   "cases": "compiled"}})
+        checks.append({"name": "attention.errors", "params": {}})
+    return checks
 
 
 def pipeline_checks(dtype: str, modes) -> list:

@@ -63,14 +63,20 @@ def test_default_runs_four_cpu_ranks_with_all_checks(fake):
     assert call["env"]["MSDIST_DEVICE_TARGET"] == "CPU"
     names = [c["name"] for c in call["spec"]["checks"]]
     assert names == ["layout.init", "mappings.all", "mappings.all", "layers.dense_equivalence",
-                     "layers.modes", "compute.matmul", "bandwidth.sweep"]
+                     "layers.modes", "vocab.embedding", "vocab.cross_entropy", "vocab.errors",
+                     "random.tracker", "attention.methods", "attention.methods", "attention.errors",
+                     "compute.matmul", "bandwidth.sweep"]
+    by_name = {c["name"]: c["params"] for c in call["spec"]["checks"]}
+    assert by_name["vocab.embedding"]["modes"] == ["pynative", "jit"]
+    assert [c["params"] for c in call["spec"]["checks"] if c["name"] == "attention.methods"] == [
+        {"cases": "suite"}, {"modes": ["jit"], "cases": "compiled"}]
     even, uneven = call["spec"]["checks"][1]["params"], call["spec"]["checks"][2]["params"]
     assert even["groups"] == ["tp", "cp", "dp-cp"]
     assert even["modes"] == ["pynative", "jit"] and "split_sizes" not in even
     assert uneven["split_sizes"] == "auto" and uneven["modes"] == ["pynative", "jit"]
     assert call["spec"]["checks"][4]["params"]["modes"] == ["jit"]
-    assert call["spec"]["checks"][5]["params"] == {"dtype": "float32"}
-    sweep = call["spec"]["checks"][6]["params"]
+    assert by_name["compute.matmul"] == {"dtype": "float32"}
+    sweep = by_name["bandwidth.sweep"]
     assert sweep["sizes"] == [1024, 262144]
     assert sweep["groups"] == ["tp", "cp", "dp", "pp", "dp-cp", "world"]
     assert report["ok"] is True and report["ranks"] == 4
@@ -102,8 +108,8 @@ def test_mode_option_and_one_row_per_mode(monkeypatch):
     assert result.exit_code == 1, result.output
     spec = launcher.calls[0]["spec"]
     assert spec["checks"][1]["params"]["modes"] == ["pynative", "jit", "graph"]
-    assert spec["checks"][-1]["name"] == "layers.modes"
-    assert spec["checks"][-1]["params"]["modes"] == ["jit", "graph"]
+    layer_modes = [c for c in spec["checks"] if c["name"] == "layers.modes"]
+    assert len(layer_modes) == 1 and layer_modes[0]["params"]["modes"] == ["jit", "graph"]
     rows = {r["mode"]: r for r in json.loads(result.stdout)["correctness"]}
     assert set(rows) == {"pynative", "jit", "graph"}
     assert rows["jit"]["passed"] is False and rows["jit"]["failed_ranks"] == [1]
