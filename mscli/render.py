@@ -287,8 +287,9 @@ def bandwidth_table(rows: list[dict]) -> Table:
 
 def summary_table(rows: list[dict]) -> Table:
     """One row per family of checks and mode (``report["summary"]``)."""
-    table = Table(title="correctness summary (per-check rows: failures, or --verbose)",
-                  title_justify="left", show_edge=False, pad_edge=False)
+    table = Table(title="correctness summary", title_justify="left", show_edge=False, pad_edge=False,
+                  caption="per-check rows: the failed ones below; all of them with --verbose",
+                  caption_justify="left")
     for column, justify in (("family", "left"), ("mode", "left"), ("passed", "right"),
                             ("failed", "right"), ("worst error", "right")):
         table.add_column(column, justify=justify, style="bold" if column == "family" else None)
