@@ -106,12 +106,25 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated, run in this order (bench/bench_attention.py runs one "
+                             "per launch so that each peak is its own)")
+    parser.add_argument("--json", default=None, help="each rank writes its record to JSON.rank<r>")
     args = parser.parse_args(argv)
     from mindspore.communication import get_group_size
 
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     C.setup(context_parallel_size=get_group_size() if C.launched_by_msrun() else 1)
-    record = run(seq_len=args.seq_len, batch=args.batch, heads=args.heads, head_dim=args.head_dim)
+    record = run(seq_len=args.seq_len, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                 methods=methods)
     cp = C.cp_group()
+    if args.json:
+        import json
+
+        with open(f"{args.json}.rank{cp.rank}", "w", encoding="utf-8") as fh:
+            json.dump(record, fh)
+    if methods != METHODS:
+        return 0
     # One row per rank: [peak ring, peak allgather_kv, time ring, time allgather_kv].
     mine = np.zeros((cp.size, 4), np.float32)
     mine[cp.rank] = [record["peak_mib"][m] for m in METHODS] + [record["step_s"][m] for m in METHODS]

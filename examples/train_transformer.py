@@ -5,18 +5,18 @@
 
     python examples/train_transformer.py                      # one process: the dense model
 
-The block (pre-layernorm, 4 heads, GELU MLP) runs on 8 ranks as tp2 x cp2 x dp2:
+The block (token embedding, pre-layernorm, 4 heads, GELU MLP, language-model head) runs
+on 8 ranks as tp2 x cp2 x dp2, with the library's layers:
 
-    x (S/(cp*tp), b, D)   this rank's sequence chunk (cp, then tp), batch shard (dp)
+    ids (S/cp, b)          this rank's sequence chunk (cp) and batch shard (dp) of token ids
+      -> VocabParallelEmbedding, sequence parallel   (S/(cp*tp), b, D): table rows over tp
       -> LayerNorm                                   params sequence_parallel=True
       -> ColumnParallelLinear qkv, sequence parallel (S/cp, b, 3D/tp): my tp heads
-      -> all_to_all_from_sequence_to_hidden over cp  (S, b, 3D/(tp*cp)): Ulysses
-      -> causal softmax attention over the whole sequence, my heads
-      -> all_to_all_from_hidden_to_sequence over cp  (S/cp, b, D/tp)
+      -> context_parallel_attention(method="ulysses", causal) over cp   (S/cp, b, D/tp)
       -> RowParallelLinear, sequence parallel        (S/(cp*tp), b, D)  + residual
       -> LayerNorm -> Column (F/tp) -> GELU -> Row   (S/(cp*tp), b, D)  + residual
-      -> gather_from_sequence over tp, tensor_parallel_output_grad=False  (S/cp, b, D)
-      -> loss: mean squared error over this rank's tokens
+      -> ColumnParallelLinear head, sequence parallel (S/cp, b, V/tp): vocabulary over tp
+      -> vocab_parallel_cross_entropy, mean over this rank's tokens
 
 The train step ``value_and_grad -> GradientFinalizer -> AdamW`` is compiled
 with ``mindspore.jit``; :class:`~mindscience.distributed.finalize.GradientFinalizer`
@@ -42,11 +42,14 @@ from mindspore import mint, nn, ops
 from mindspore.communication import get_group_size, get_rank
 
 import _common as C
-from mindscience.distributed import manager, mappings
+from mindscience.distributed import manager
 from mindscience.distributed.collectives import all_reduce
 from mindscience.distributed.finalize import GradientFinalizer
 from mindscience.distributed.group import ParallelGroup
-from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear
+from mindscience.distributed.modules import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, context_parallel_attention,
+    vocab_parallel_cross_entropy,
+)
 
 RTOL = 1e-4
 # Final weights after AdamW: its m / sqrt(v) turns float32 rounding in near-zero
@@ -71,18 +74,24 @@ class LayerNorm(nn.Cell):
         return (x - mean) / mint.sqrt(var + self.eps) * self.weight + self.bias
 
 
+VOCAB = 64
+
+
 class Block(nn.Cell):
-    """Pre-layernorm transformer block + MSE loss; dense when the groups have size 1.
+    """Embedding, pre-layernorm transformer block, LM head + cross-entropy; dense when the
+    groups have size 1.
 
     Args:
-        tp: Tensor-parallel group (heads and MLP columns; sequence parallelism).
-        cp: Context-parallel group (Ulysses all-to-alls around the attention).
+        tp: Tensor-parallel group (vocabulary, heads and MLP columns; sequence parallelism).
+        cp: Context-parallel group (Ulysses attention over the sequence).
         d_model, num_heads, ffn: Sizes of the whole model.
-        seq_len: Global sequence length (the causal mask spans all of it).
+        seq_len: Global sequence length (kept for the callers; the attention masks by
+            global positions itself).
+        vocab: Vocabulary size (divisible by tp).
     """
 
     def __init__(self, tp: ParallelGroup, cp: ParallelGroup, d_model: int, num_heads: int,
-                 ffn: int, seq_len: int):
+                 ffn: int, seq_len: int, vocab: int = VOCAB):
         super().__init__()
         if num_heads % (tp.size * cp.size):
             raise ValueError(
@@ -92,6 +101,7 @@ class Block(nn.Cell):
         self.tp, self.cp = tp, cp
         self.head_dim = d_model // num_heads
         f32 = dict(compute_dtype=ms.float32, group=tp)
+        self.embedding = VocabParallelEmbedding(vocab, d_model, sequence_parallel=True, group=tp)
         self.ln1 = LayerNorm(d_model)
         self.ln2 = LayerNorm(d_model)
         for ln in (self.ln1, self.ln2):
@@ -107,35 +117,28 @@ class Block(nn.Cell):
                                         use_sequence_parallel=True, **f32)
         self.fc2 = RowParallelLinear(ffn, d_model, input_is_parallel=True,
                                      use_sequence_parallel=True, **f32)
-        # Built once: compiled code must not build numpy masks at call time.
-        mask = np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1)
-        self.mask = ms.Tensor(mask)
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.head = ColumnParallelLinear(d_model, vocab, bias=False, gather_output=False,
+                                         use_sequence_parallel=True, **f32)
 
     def attention(self, qkv):
         s, b, f = qkv.shape
         t = qkv.reshape(s, b, f // (3 * self.head_dim), 3, self.head_dim)  # [head, (q|k|v), d]
-        t = t.transpose(1, 2, 3, 0, 4)  # (b, h, 3, S, d)
-        q, k, v = t[:, :, 0], t[:, :, 1], t[:, :, 2]
-        scores = mint.matmul(q, k.transpose(0, 1, 3, 2)) * self.scale
-        scores = ops.masked_fill(scores, self.mask, float("-inf"))
-        out = mint.matmul(mint.nn.functional.softmax(scores, dim=-1), v)  # (b, h, S, d)
-        return out.transpose(2, 0, 1, 3).reshape(s, b, f // 3)
+        q, k, v = t[:, :, :, 0], t[:, :, :, 1], t[:, :, :, 2]               # (S/cp, b, h/tp, d)
+        out = context_parallel_attention(q, k, v, self.cp, method="ulysses", causal=True)
+        return out.reshape(s, b, f // 3)
 
-    def construct(self, x, target):
-        a = self.qkv(self.ln1(x))                                    # (S/cp, b, 3D/tp)
-        a = mappings.all_to_all_from_sequence_to_hidden(a, self.cp)  # (S, b, 3D/(tp cp))
-        a = self.attention(a)                                        # (S, b, D/(tp cp))
-        a = mappings.all_to_all_from_hidden_to_sequence(a, self.cp)  # (S/cp, b, D/tp)
+    def construct(self, ids, target):
+        x = self.embedding(ids)                                      # (S/(cp tp), b, D)
+        a = self.attention(self.qkv(self.ln1(x)))                    # (S/cp, b, D/tp)
         h = x + self.proj(a)                                         # (S/(cp tp), b, D)
         m = ops.gelu(self.fc1(self.ln2(h)))  # (mint gelu has no CPU kernel)
         h = h + self.fc2(m)
-        out = mappings.gather_from_sequence(h, self.tp, tensor_parallel_output_grad=False)
-        return mint.mean((out - target) ** 2)
+        logits = self.head(h)                                        # (S/cp, b, V/tp)
+        return mint.mean(vocab_parallel_cross_entropy(logits, target, group=self.tp))
 
 
 # ----------------------------------------------------------------------------- weights
-def dense_weights(d_model: int, ffn: int, seed: int) -> dict:
+def dense_weights(d_model: int, ffn: int, seed: int, vocab: int = VOCAB) -> dict:
     """The dense model's initial weights (numpy, float32), by parameter name."""
     rng = np.random.default_rng(seed)
 
@@ -143,6 +146,8 @@ def dense_weights(d_model: int, ffn: int, seed: int) -> dict:
         return (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(np.float32)
 
     return {
+        "embedding.weight": rng.standard_normal((vocab, d_model)).astype(np.float32),
+        "head.weight": w(vocab, d_model, fan_in=d_model),
         "ln1.weight": (1 + 0.1 * rng.standard_normal(d_model)).astype(np.float32),
         "ln1.bias": (0.1 * rng.standard_normal(d_model)).astype(np.float32),
         "qkv.weight": w(3 * d_model, d_model, fan_in=d_model),
@@ -160,7 +165,7 @@ def dense_weights(d_model: int, ffn: int, seed: int) -> dict:
 
 # Which dim of each parameter the tp group shards (None: replicated).
 _SHARD_DIM = {"qkv.weight": 0, "qkv.bias": 0, "fc1.weight": 0, "fc1.bias": 0,
-              "proj.weight": 1, "fc2.weight": 1}
+              "proj.weight": 1, "fc2.weight": 1, "embedding.weight": 0, "head.weight": 0}
 
 
 def shard_of(name: str, full: np.ndarray, tp: ParallelGroup) -> np.ndarray:
@@ -177,25 +182,26 @@ def load_weights(block: Block, weights: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-def global_batches(steps: int, seq_len: int, batch: int, d_model: int, seed: int):
-    """``steps`` (x, target) pairs of shape (S, B, D), the same on every rank."""
+def global_batches(steps: int, seq_len: int, batch: int, d_model: int, seed: int,
+                   vocab: int = VOCAB):
+    """``steps`` (ids, target ids) pairs of shape (S, B), int32, the same on every rank
+    (``d_model`` is unused; kept for the callers)."""
     rng = np.random.default_rng(seed + 1)
-    return [(rng.standard_normal((seq_len, batch, d_model)).astype(np.float32),
-             rng.standard_normal((seq_len, batch, d_model)).astype(np.float32))
+    return [(rng.integers(0, vocab, (seq_len, batch)).astype(np.int32),
+             rng.integers(0, vocab, (seq_len, batch)).astype(np.int32))
             for _ in range(steps)]
 
 
 def local_batch(x: np.ndarray, y: np.ndarray, tp, cp, dp):
-    """This rank's input (S/(cp tp), B/dp, D) and target (S/cp, B/dp, D).
+    """This rank's ids (S/cp, B/dp) and target ids (S/cp, B/dp).
 
     The global sequence is cut into cp chunks (the Ulysses all-to-all concatenates in
-    cp-rank order), each cut into tp chunks (the sequence-parallel gather over tp).
+    cp-rank order); every tp rank of a cp chunk holds all of its ids (the embedding
+    reduce-scatters its output over tp, the LM head all-gathers the sequence back).
     """
     xb = np.split(x, dp.size, axis=1)[dp.rank]
     yb = np.split(y, dp.size, axis=1)[dp.rank]
-    xc = np.split(xb, cp.size, axis=0)[cp.rank]
-    yc = np.split(yb, cp.size, axis=0)[cp.rank]
-    return np.split(xc, tp.size, axis=0)[tp.rank], yc
+    return np.split(xb, cp.size, axis=0)[cp.rank], np.split(yb, cp.size, axis=0)[cp.rank]
 
 
 # ----------------------------------------------------------------------------- training

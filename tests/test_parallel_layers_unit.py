@@ -216,3 +216,17 @@ def test_tracker_fork_replays_and_leaves_the_default_stream_alone():
             pass
     with pytest.raises(ValueError, match="seed=-1"):
         msrandom.model_parallel_seed(-1)
+
+
+def test_long_sequence_example_in_a_plain_process():
+    import importlib
+    import sys
+
+    from mindscience.distributed.harness.checks.examples import examples_dir
+
+    if examples_dir() not in sys.path:
+        sys.path.insert(0, examples_dir())
+    record = importlib.import_module("long_sequence").run(seq_len=64, heads=1, head_dim=8)
+    assert record["passed"] and record["max_error"] <= 1e-6, record
+    assert set(record["peak_mib"]) == {"ring", "allgather_kv"} and record["peak_reset"]
+    assert all(v > 0 for v in record["peak_mib"].values())
