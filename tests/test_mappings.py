@@ -85,6 +85,34 @@ SPEC_4 = {
                                                          "others": [{"tp": 4}, {"tp": 1}]}},
     ],
 }
+# Pipeline parallelism (issue 20) inside the same 8-rank job: p2p on 2 stages (tp2 x cp2 x pp2)
+# and on 4 stages (tp2 x pp4), every schedule against dense, the memory bound, error cases,
+# the embedding-group finalizer, and examples/train_pipeline.py (tp2 x pp2 x dp2).
+PP4 = {"tp": 2, "pp": 4}
+PIPELINE_CHECKS_8 = [
+    {"name": "p2p.ring", "params": {"groups": ["pp", "world"], "offsets": [1, -1],
+                                    "dtypes": ["float32", "bfloat16"], "modes": ["pynative"]}},
+    {"name": "p2p.ring", "params": {"groups": ["world"], "offsets": [3], "dtypes": ["float32"],
+                                    "modes": ["jit"]}},
+    {"name": "p2p.ring", "params": {"groups": ["pp"], "offsets": [1], "dtypes": ["bfloat16"],
+                                    "modes": ["jit", "graph"]}},
+    {"name": "p2p.pipeline", "params": {}},
+    {"name": "p2p.errors", "params": {}},
+    {"name": "pipeline.step", "params": {"modes": ["pynative"]}},
+    {"name": "training.finalize_embedding", "params": {"modes": ["pynative"]}},
+    {"name": "p2p.ring", "params": {"layout": PP4, "groups": ["pp"], "offsets": [1, -1, 2],
+                                    "dtypes": ["float32", "bfloat16"], "modes": ["pynative"]}},
+    {"name": "p2p.pipeline", "params": {"layout": PP4}},
+    {"name": "p2p.errors", "params": {"layout": PP4}},
+    {"name": "pipeline.step", "params": {"layout": PP4, "modes": ["pynative"]}},
+    {"name": "pipeline.step", "params": {"layout": PP4, "modes": ["jit"], "schedules": ["1f1b"]}},
+    {"name": "training.finalize_embedding", "params": {"layout": PP4, "modes": ["pynative", "jit"]}},
+    # PyNative runs the example ~10x slower than jit here (measured 20 s vs 2 s a step on 8
+    # ranks / 2 cores): the example trains every schedule under jit; the toy pipeline.step
+    # checks run every schedule in PyNative on 2 and 4 stages.
+    {"name": "examples.train_pipeline", "params": {"layout": {"tp": 2, "pp": 2}, "steps": 3,
+                                                   "modes": ["jit"]}},
+]
 SPEC_8 = {
     "layout": {"world_size": 8, "tp": 2, "cp": 2, "pp": 2},
     "checks": [
@@ -100,7 +128,7 @@ SPEC_8 = {
         {"name": "examples.train_transformer", "params": {"tp": 2, "cp": 2, "steps": 4}},
         # step 5: finalize again, under the layout restored after the example
         {"name": "training.finalize", "params": {"modes": ["pynative"], "bucket_sizes_mb": [32.0]}},
-    ],
+    ] + PIPELINE_CHECKS_8,
 }
 
 
@@ -141,7 +169,7 @@ def job4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job8(tmp_path_factory):
-    return Records(_launch(SPEC_8, 8, tmp_path_factory, timeout=360), 8)
+    return Records(_launch(SPEC_8, 8, tmp_path_factory, timeout=900), 8)
 
 
 def _assert_passed(records, what):
@@ -378,6 +406,79 @@ def test_8ranks_pp2_every_mapping(job8, group):
 @pytest.mark.multiprocess
 def test_8ranks_plan_equals_runtime(job8):
     _assert_plan_equals_runtime(job8, REINIT_LAYOUTS_8, PLAN_KEYS_8)
+
+
+def _pp(job8, check, **match):
+    return [r for r in job8.all(**match) if r["check"] == check or r["check"].startswith(check + ".")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stages", [2, 4])
+def test_8ranks_ring_shift_and_pipeline_calls(job8, stages):
+    ring = [r for r in _pp(job8, "p2p.ring_shift") if r["group"] == "pp" and r["group_size"] == stages]
+    calls = [r for r in _pp(job8, "p2p.pipeline") if r["group_size"] == stages]
+    assert len(ring) == 8 * 6 and len(calls) == 8 * 2
+    assert {r["dtype"] for r in ring} == {"float32", "bfloat16"}
+    if stages == 2:
+        assert {r["mode"] for r in ring} == {"pynative", "jit", "graph"}
+    assert all(r["forward_error"] == 0 and r["backward_error"] == 0 for r in ring)
+    _assert_passed(ring + calls, f"p2p on {stages} stages")
+    world = [r for r in _pp(job8, "p2p.ring_shift") if r["group"] == "world"]
+    assert {(r["mode"], r["offset"]) for r in world} == {("jit", 3), ("pynative", 1), ("pynative", -1)}
+    _assert_passed(world, "ring_shift over 8 ranks")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stages", [2, 4])
+def test_8ranks_every_schedule_against_dense_and_memory_bound(job8, stages):
+    recs = [r for r in _pp(job8, "pipeline.step") if r["group_size"] == stages]
+    want = {("1f1b", "pynative"), ("gpipe", "pynative"), ("interleaved", "pynative")}
+    assert {(r["schedule"], r["mode"]) for r in recs} == (want | {("1f1b", "jit")} if stages == 4 else want)
+    _assert_passed(recs, f"pipeline.step on {stages} stages")
+    # 1F1B keeps p - i inputs on stage i, GPipe all m = 4; counted by the runtime.
+    for r in recs:
+        assert r["peak_in_flight"] == r["schedule_peak"]
+    pp_rank_of = {i: i // 4 if stages == 2 else i // 2 for i in range(8)}  # order tp-cp-dp-pp
+    by_rank = job8.select(check="pipeline.step")
+    for rank, rs in by_rank.items():
+        for r in rs:
+            if r["group_size"] == stages and r["schedule"] == "1f1b":
+                assert r["peak_in_flight"] == stages - pp_rank_of[rank]
+            if r["group_size"] == stages and r["schedule"] == "gpipe":
+                assert r["peak_in_flight"] == 4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stages", [2, 4])
+def test_8ranks_p2p_mismatches_raise_on_both_ends(job8, stages):
+    recs = [r for r in _pp(job8, "p2p.error") if r["group_size"] == stages]
+    names = {r["check"] for r in recs}
+    assert names == {f"p2p.error.{n}" for n in ("shape_sender", "shape_receiver", "dtype_sender",
+                                                 "dtype_receiver", "after_mismatch", "ring_shape",
+                                                 "ring_offset")}
+    _assert_passed(recs, f"p2p errors on {stages} stages")
+
+
+@pytest.mark.multiprocess
+def test_8ranks_embedding_group_finalizer(job8):
+    recs = _pp(job8, "training.finalize_embedding")
+    assert len(recs) == 8 * 3  # pp2 (pynative), pp4 (pynative and jit)
+    _assert_passed(recs, "tied parameters over the embedding group")
+    groups = {tuple(r["embedding_group"]) for r in recs}
+    assert (0, 4) in groups and (0, 6) in groups  # pp2: (0, 4); pp4 (tp2): (0, 2, 4, 6) -> (0, 6)
+
+
+@pytest.mark.multiprocess
+def test_8ranks_train_pipeline_example_matches_dense(job8):
+    recs = job8.all(check="examples.train_pipeline")
+    assert len(recs) == 8
+    rec = recs[0]
+    assert rec["layout"] == {"tp": 2, "pp": 2, "dp": 2} and rec["layers"] >= 4 and rec["microbatches"] >= 4
+    for schedule, mode in [(s, "jit") for s in ("1f1b", "gpipe", "interleaved")]:
+        assert rec["errors"][f"{schedule} {mode} loss vs dense (rel)"] <= 1e-5
+        assert rec["errors"][f"{schedule} {mode} weights vs dense (rel)"] <= 1e-5
+        assert len(rec[f"{schedule} {mode} loss"]) == rec["steps"] >= 3
+    _assert_passed(recs, "examples/train_pipeline.py")
 
 
 # ---------------------------------------------------------------------------- one process
