@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", default="4,8,16")
-    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from mindscience.distributed.pipeline import build, theoretical_bubble
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     ms_ = [int(m) for m in args.microbatches.split(",")]
     spec = {"layout": {"world_size": args.stages, "pp": args.stages},
             "modules": ["pipeline_bench_checks"],
-            "checks": [{"name": "bench.pipeline_bubble", "params": {"microbatches": ms_, "dim": args.dim}},
+            "checks": [{"name": "bench.pipeline_bubble", "params": {"microbatches": ms_, "dim": args.dim, "batch": 64}},
                        {"name": "bench.p2p_cost", "params": {}}]}
     out = run_bench_launch(spec, args.stages, timeout=1500)
     if out is None:

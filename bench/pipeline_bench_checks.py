@@ -79,7 +79,7 @@ def pipeline_bubble(ctx: CheckContext, schedules=("1f1b", "interleaved"), microb
 
 
 @check("bench.p2p_cost")
-def p2p_cost(ctx: CheckContext, sizes=(1 << 10, 1 << 20, 16 << 20), iters=5, warmup=2) -> list:
+def p2p_cost(ctx: CheckContext, sizes=(1 << 10, 1 << 18, 1 << 22), iters=5, warmup=2) -> list:
     import mindspore as ms
 
     from mindscience.distributed import p2p
