@@ -69,7 +69,7 @@ def test_default_runs_four_cpu_ranks_with_all_checks(fake):
     by_name = {c["name"]: c["params"] for c in call["spec"]["checks"]}
     assert by_name["vocab.embedding"]["modes"] == ["pynative", "jit"]
     assert [c["params"] for c in call["spec"]["checks"] if c["name"] == "attention.methods"] == [
-        {"cases": "suite"}, {"modes": ["jit"], "cases": "compiled"}]
+        {"cases": "verify"}, {"modes": ["jit"], "cases": "verify_compiled"}]
     even, uneven = call["spec"]["checks"][1]["params"], call["spec"]["checks"][2]["params"]
     assert even["groups"] == ["tp", "cp", "dp-cp"]
     assert even["modes"] == ["pynative", "jit"] and "split_sizes" not in even

@@ -174,8 +174,18 @@ def ring_cases() -> list:
             dict(method="ring", causal=False, gqa=False, split="even", dtype="bfloat16")]
 
 
+def verify_cases() -> list:
+    """What ``msdist verify`` runs eagerly: each method causal, GQA, uneven; the zigzag ring."""
+    return compiled_cases() + [dict(method="ring", causal=True, gqa=True, split="zigzag")]
+
+
+def verify_compiled_cases() -> list:
+    """What ``msdist verify`` compiles: the ring (its own backward) causal, GQA, uneven."""
+    return [dict(method="ring", causal=True, gqa=True, split="uneven")]
+
+
 CASE_SETS = {"all": default_cases, "suite": suite_cases, "compiled": compiled_cases,
-             "ring": ring_cases}
+             "ring": ring_cases, "verify": verify_cases, "verify_compiled": verify_compiled_cases}
 
 
 @check("attention.methods")
