@@ -10,7 +10,7 @@ MindSpore in: ``msdist plan`` starts in a fraction of a second.
 import importlib
 
 _SUBMODULES = ("topology", "group", "manager", "collectives", "mappings", "modules", "finalize",
-               "harness", "sharding", "checkpoint", "p2p", "pipeline")
+               "harness", "sharding", "checkpoint", "p2p", "pipeline", "random")
 
 # Names re-exported at the package level (upstream exports initialize_parallel here),
 # each loaded from its module on first access.
