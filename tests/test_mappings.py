@@ -82,7 +82,8 @@ SPEC_4 = {
         # sharded checkpoints (issue 18): train tp2 x dp2, save, load at tp4 and tp1 x dp4,
         # resume; restores tp2 x cp2 afterwards.
         {"name": "checkpoint.layout_change", "params": {"first": {"tp": 2},
-                                                         "others": [{"tp": 4}, {"tp": 1}]}},
+                                                         "others": [{"tp": 4}, {"tp": 1}],
+                                                         "pipelines": [{"tp": 2, "pp": 2}]}},
     ],
 }
 # Pipeline parallelism (issue 20) inside the same 8-rank job: p2p on 2 stages (tp2 x cp2 x pp2)
@@ -719,9 +720,10 @@ def test_finalize_gradients_exact_in_every_mode(job8):
 def test_checkpoint_survives_a_layout_change(job4):
     """Trained 3 steps at tp2 x dp2 and saved (model + AdamW moments), loaded at tp4 and at
     tp1 x dp4 into a model built from another seed: the re-saved state equals the saved
-    one bit for bit, and 3 more steps give the uninterrupted run's losses within 1e-6."""
+    one bit for bit, and 3 more steps give the uninterrupted run's losses within 1e-6.
+    At tp2 x pp2 (each stage builds one layer, named globally) the re-saved state too."""
     recs = [r for r in job4.all() if r["check"] == "checkpoint.layout_change"]
-    assert len(recs) == 4 * 3
+    assert len(recs) == 4 * 4
     _assert_passed(recs, "checkpoint layout change")
     by_role = {}
     for r in recs:
@@ -733,6 +735,10 @@ def test_checkpoint_survives_a_layout_change(job4):
     for r in by_role["resumed"]:
         assert r["state_bit_exact"] and r["moments"] == 20 and r["saved_step"] == 3
         assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= 1e-6
+    stages = by_role["pipeline_stage"]
+    assert len(stages) == 4 and all(r["state_bit_exact"] for r in stages)
+    assert {r["group"] for r in stages} == {"tp2-cp1-dp1-pp2:tp-cp-dp-pp"}
+    assert all(r["loaded"] == 17 for r in stages)  # one layer: 5 tensors x (value, m, v) + 2 counters
 
 
 @pytest.mark.multiprocess
