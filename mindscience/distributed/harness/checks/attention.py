@@ -222,6 +222,7 @@ def methods(ctx: CheckContext, tp=None, cp=None, modes=("pynative",), cases=None
                 results.append((out.asnumpy(), dx))
         else:
             _, outs, dxs, _ = differentiate_batch(mode, losses, [c.x for c in built])
+            dxs = dxs if isinstance(dxs, tuple) else (dxs,)  # one case: a tensor, not a 1-tuple
             results = [(o.asnumpy(), d) for o, d in zip(outs, dxs)]
         for c, (out, dx) in zip(built, results):
             rec = c.record(out, dx, mode)

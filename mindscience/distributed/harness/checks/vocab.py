@@ -45,6 +45,9 @@ def _run_cases(mode, losses, xs, weights_per_case):
         return out
     weights = [w for ws in weights_per_case for w in ws]
     _, auxs, dxs, wgs = differentiate_batch(mode, losses, xs, weights=weights or None)
+    # One input (one weight) comes back as a tensor, not a 1-tuple.
+    dxs = dxs if isinstance(dxs, tuple) else (dxs,)
+    wgs = wgs if wgs is None or isinstance(wgs, tuple) else (wgs,)
     out, start = [], 0
     for aux, dx, ws in zip(auxs, dxs, weights_per_case):
         out.append((aux, dx, tuple(wgs[start:start + len(ws)]) if ws else ()))
