@@ -6,7 +6,8 @@
    step: value_and_grad + GradientFinalizer + AdamW) on every tp x cp x dp layout of 8
    ranks and records the slowest rank's median step time (steps after the first);
 3. the cost model, with ``--calibrate`` from that report, predicts each layout's step:
-   the same block (1 layer, d_model, heads, ffn, the sequence) as a ``model:``, fp32,
+   the same block (1 layer, d_model, heads, ffn, the sequence, the example's vocabulary-parallel
+   embedding and LM head) as a ``model:``, fp32,
    sequence parallelism, one micro-batch of ``batch / dp`` samples per dp rank, and no
    overlap of the gradient reduction (GradientFinalizer runs after the backward).
 
@@ -52,6 +53,14 @@ def layouts(heads: int, seq: int, batch: int):
             dp = WORLD // (tp * cp)
             if heads % (tp * cp) == 0 and seq % (tp * cp) == 0 and batch % dp == 0:
                 yield tp, cp, dp
+
+
+def example_vocab() -> int:
+    """The example's vocabulary (``VOCAB``), read from its source: importing it would load MindSpore here."""
+    import re
+
+    text = (ROOT / "examples" / "train_transformer.py").read_text()
+    return int(re.search(r"^VOCAB = (\d+)", text, re.M).group(1))
 
 
 def spearman(a: list, b: list) -> float:
@@ -108,7 +117,7 @@ def main(argv=None) -> int:
             measured[key] = max(measured.get(key, 0.0), r["jit_step_s"])
     report = read_report(report_path)
     model = ModelSpec(num_layers=1, hidden_size=args.d_model, num_attention_heads=args.heads,
-                      seq_length=args.seq_len, vocab_size=0, ffn_hidden_size=args.ffn, name="train_transformer")
+                      seq_length=args.seq_len, vocab_size=example_vocab(), ffn_hidden_size=args.ffn, name="train_transformer")
     cluster, sources = calibrate(ClusterSpec(device="cpu"), report, report_path.name)
     rows = []
     for tp, cp, dp in cases:

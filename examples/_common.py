@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 import mindspore as ms
-from mindspore import mint, ops
+from mindspore import mint, nn, ops
 
 from mindscience.distributed import collectives, manager, mappings
 from mindscience.distributed.group import ParallelGroup
@@ -271,3 +271,18 @@ def cp_main(run, description: str, argv=None) -> int:
     setup(context_parallel_size=args.cp or get_group_size())
     kwargs = {k: v for k, v in (("seq_len", args.seq_len), ("batch", args.batch)) if v is not None}
     return report(run(**kwargs))
+
+
+class LayerNorm(nn.Cell):
+    """LayerNorm over the last dim (``mint.nn.LayerNorm`` has no CPU kernel in 2.10)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = ms.Parameter(ms.Tensor(np.ones(dim, np.float32)), name="weight")
+        self.bias = ms.Parameter(ms.Tensor(np.zeros(dim, np.float32)), name="bias")
+        self.eps = eps
+
+    def construct(self, x):
+        mean = mint.mean(x, -1, keepdim=True)
+        var = mint.mean((x - mean) ** 2, -1, keepdim=True)
+        return (x - mean) / mint.sqrt(var + self.eps) * self.weight + self.bias

@@ -35,6 +35,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import mint, nn, ops
 
+import _common as C
 from mindscience.distributed import manager
 from mindscience.distributed.collectives import all_reduce
 from mindscience.distributed.finalize import GradientFinalizer
@@ -48,21 +49,6 @@ WEIGHTS_RTOL = 1e-5
 SCHEDULE_LIST = ("1f1b", "gpipe", "interleaved")
 
 
-class LayerNorm(nn.Cell):
-    """LayerNorm over the last dim (``mint.nn.LayerNorm`` has no CPU kernel in 2.10)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = ms.Parameter(ms.Tensor(np.ones(dim, np.float32)), name="weight")
-        self.bias = ms.Parameter(ms.Tensor(np.zeros(dim, np.float32)), name="bias")
-        self.eps = eps
-
-    def construct(self, x):
-        mean = mint.mean(x, -1, keepdim=True)
-        var = mint.mean((x - mean) ** 2, -1, keepdim=True)
-        return (x - mean) / mint.sqrt(var + self.eps) * self.weight + self.bias
-
-
 class Layer(nn.Cell):
     """Pre-layernorm transformer layer, tensor parallel over ``tp`` (dense on size 1)."""
 
@@ -72,8 +58,8 @@ class Layer(nn.Cell):
             raise ValueError(f"num_heads={num_heads} must be divisible by tp={tp.size}")
         f32 = dict(compute_dtype=ms.float32, group=tp)
         self.head_dim = d_model // num_heads
-        self.ln1 = LayerNorm(d_model)
-        self.ln2 = LayerNorm(d_model)
+        self.ln1 = C.LayerNorm(d_model)
+        self.ln2 = C.LayerNorm(d_model)
         self.qkv = ColumnParallelLinear(d_model, 3 * d_model, gather_output=False, **f32)
         self.proj = RowParallelLinear(d_model, d_model, input_is_parallel=True, **f32)
         self.fc1 = ColumnParallelLinear(d_model, ffn, gather_output=False, **f32)

@@ -59,21 +59,6 @@ WEIGHTS_RTOL = 1e-3
 NAME = "examples.train_transformer"
 
 
-class LayerNorm(nn.Cell):
-    """LayerNorm over the last dim (``mint.nn.LayerNorm`` has no CPU kernel in 2.10)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = ms.Parameter(ms.Tensor(np.ones(dim, np.float32)), name="weight")
-        self.bias = ms.Parameter(ms.Tensor(np.zeros(dim, np.float32)), name="bias")
-        self.eps = eps
-
-    def construct(self, x):
-        mean = mint.mean(x, -1, keepdim=True)
-        var = mint.mean((x - mean) ** 2, -1, keepdim=True)
-        return (x - mean) / mint.sqrt(var + self.eps) * self.weight + self.bias
-
-
 VOCAB = 64
 
 
@@ -102,8 +87,8 @@ class Block(nn.Cell):
         self.head_dim = d_model // num_heads
         f32 = dict(compute_dtype=ms.float32, group=tp)
         self.embedding = VocabParallelEmbedding(vocab, d_model, sequence_parallel=True, group=tp)
-        self.ln1 = LayerNorm(d_model)
-        self.ln2 = LayerNorm(d_model)
+        self.ln1 = C.LayerNorm(d_model)
+        self.ln2 = C.LayerNorm(d_model)
         for ln in (self.ln1, self.ln2):
             # Each tp rank normalizes its own chunk of the sequence: the gradients of
             # these (replicated) parameters are partial sums over tp.
