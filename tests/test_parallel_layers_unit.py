@@ -72,6 +72,13 @@ def test_embedding_shards_reassemble_to_the_full_table(tp):
     np.testing.assert_array_equal(np.concatenate(shards), full)
 
 
+def test_embedding_table_is_marked_split_at_tp1_too():
+    # A tp = 1 checkpoint records the split dim, so it can be resharded to a larger tp.
+    layer = VocabParallelEmbedding(8, 4)
+    assert get_sharding(layer.weight) == {"axis": "tp", "partition_dim": 0, "partition_stride": 1,
+                                          "sequence_parallel": False}
+
+
 def test_embedding_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"num_embeddings=10 is not divisible .* 4.*num_embeddings=12"):
         VocabParallelEmbedding(10, 4, group=fake(4, 0))

@@ -130,7 +130,9 @@ class VocabParallelEmbedding(nn.Cell):
             (self.num_embeddings, self.embedding_dim), tp, 0,
             "normal" if init_method is None else init_method, dtype,
             tp_rank=self.tp_rank, name="weight")
-        mark_sharding(self.weight, "tp" if tp > 1 else None, 0 if tp > 1 else None)
+        # Split over tp whatever its size (as Column/Row mark theirs): a tp = 1 checkpoint then
+        # records the split dim, and `msdist checkpoint reshard` can cut it for a larger tp.
+        mark_sharding(self.weight, "tp", 0)
         # The CPU Gather kernel has no bfloat16 (measured): look such a table up in float32.
         self._gather_f32 = (ms.get_context("device_target") == "CPU"
                             and dtype in (ms.bfloat16,))
