@@ -17,6 +17,8 @@ identity and argument errors (no communication needed for those).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -755,6 +757,9 @@ def test_train_transformer_example_matches_dense_curve(job8):
         assert r["errors"]["pynative loss vs dense (rel)"] <= 1e-4
         assert r["errors"]["pynative vs jit loss (rel)"] <= 1e-4
         assert r["max_weight_error"] <= 1e-3
-        assert r["dense_loss"][-1] < 0.8 * r["dense_loss"][0]  # it does train
+        # It does train: the targets are uniform random ids, so the cross-entropy cannot go below
+        # ln(vocab); four steps close at least half of the gap to that floor (measured: 68 %).
+        first, last, floor = r["dense_loss"][0], r["dense_loss"][-1], math.log(64)  # the example's VOCAB
+        assert first - last >= 0.5 * (first - floor)
     # every rank reports the same global curve (mean over dp-cp of the local losses)
     assert len({tuple(round(v, 6) for v in r["jit_loss"]) for r in recs}) == 1

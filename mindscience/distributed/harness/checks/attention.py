@@ -21,7 +21,7 @@ import itertools
 import numpy as np
 
 from ..registry import CheckContext, check
-from .layers import _ensure_parallel, _err
+from .layers import _ensure_parallel, _err, error_outcome
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
@@ -236,7 +236,7 @@ def errors(ctx: CheckContext, tp=None, cp=None) -> list:
     """Bad arguments raise ValueError before any collective call."""
     import mindspore as ms
 
-    from mindscience.distributed import collectives, manager
+    from mindscience.distributed import manager
     from mindscience.distributed.modules import ContextParallelAttention, context_parallel_attention
 
     _ensure_parallel(ctx, tp, cp)
@@ -266,15 +266,7 @@ def errors(ctx: CheckContext, tp=None, cp=None) -> list:
     }
     records = []
     for name, fn in cases.items():
-        before = collectives.call_count()
-        try:
-            fn()
-            outcome, message = "no error", ""
-        except ValueError as exc:
-            outcome, message = "ValueError", str(exc)
-        except Exception as exc:  # noqa: BLE001 - report the wrong type, do not crash the rank
-            outcome, message = type(exc).__name__, str(exc)
-        calls = collectives.call_count() - before
+        outcome, message, calls = error_outcome(fn)
         records.append({"check": "attention.errors", "group": "cp", "case": f"cp={n} {name}",
                         "passed": outcome == "ValueError" and calls == 0, "max_error": 0.0,
                         "raised": outcome, "collective_calls": calls, "message": message})

@@ -528,12 +528,27 @@ def init_exact(ctx: CheckContext, tp=None, cp=None, seed=0) -> list:
     return records
 
 
+def error_outcome(fn) -> tuple[str, str, int]:
+    """Call ``fn``, expecting a ValueError: ``(exception type or "no error", its message,
+    collectives called meanwhile)``. Another exception is reported, not raised, so the rank goes on."""
+    from mindscience.distributed import collectives
+
+    before = collectives.call_count()
+    try:
+        fn()
+        outcome, message = "no error", ""
+    except ValueError as exc:
+        outcome, message = "ValueError", str(exc)
+    except Exception as exc:  # noqa: BLE001 - report the wrong type, do not crash the rank
+        outcome, message = type(exc).__name__, str(exc)
+    return outcome, message, collectives.call_count() - before
+
+
 @check("layers.errors")
 def errors(ctx: CheckContext, tp=None, cp=None) -> list:
     """Sizes the layers cannot split raise ValueError, before any collective call."""
     import mindspore as ms
 
-    from mindscience.distributed import collectives
     from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear
 
     group = _ensure_parallel(ctx, tp, cp)
@@ -559,15 +574,7 @@ def errors(ctx: CheckContext, tp=None, cp=None) -> list:
     for name, fn in cases.items():
         if n == 1 and "not divisible" in name:
             continue  # everything divides by 1
-        before = collectives.call_count()
-        try:
-            fn()
-            outcome, message = "no error", ""
-        except ValueError as exc:
-            outcome, message = "ValueError", str(exc)
-        except Exception as exc:  # noqa: BLE001 - report the wrong type, do not crash the rank
-            outcome, message = type(exc).__name__, str(exc)
-        calls = collectives.call_count() - before
+        outcome, message, calls = error_outcome(fn)
         records.append({"check": "layers.errors", "group": "tp", "case": f"tp={n} {name}",
                         "passed": outcome == "ValueError" and calls == 0
                         and ("expected" in message or "divisible" in message),

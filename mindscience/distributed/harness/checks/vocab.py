@@ -23,7 +23,7 @@ import itertools
 import numpy as np
 
 from ..registry import CheckContext, check
-from .layers import LOW_PRECISION_TOL, _chunk, _ensure_parallel, _err, _seq_chunk
+from .layers import LOW_PRECISION_TOL, _chunk, _ensure_parallel, _err, _seq_chunk, error_outcome
 
 F32_TOL = 1e-5
 
@@ -190,7 +190,6 @@ def errors(ctx: CheckContext, tp=None, cp=None) -> list:
     """Bad arguments raise ValueError (naming the fix) before any collective."""
     import mindspore as ms
 
-    from mindscience.distributed import collectives
     from mindscience.distributed.modules import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
     group = _ensure_parallel(ctx, tp, cp)
@@ -216,15 +215,7 @@ def errors(ctx: CheckContext, tp=None, cp=None) -> list:
     for name, (fn, words) in cases.items():
         if n == 1 and "divisible" in name:
             continue
-        before = collectives.call_count()
-        try:
-            fn()
-            outcome, message = "no error", ""
-        except ValueError as exc:
-            outcome, message = "ValueError", str(exc)
-        except Exception as exc:  # noqa: BLE001 - report the wrong type, do not crash the rank
-            outcome, message = type(exc).__name__, str(exc)
-        calls = collectives.call_count() - before
+        outcome, message, calls = error_outcome(fn)
         records.append({"check": "vocab.errors", "group": "tp", "case": f"tp={n} {name}",
                         "passed": outcome == "ValueError" and calls == 0 and words in message,
                         "max_error": 0.0, "raised": outcome, "collective_calls": calls,
