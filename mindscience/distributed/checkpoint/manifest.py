@@ -32,7 +32,7 @@ import os
 import numpy as np
 
 from .errors import CheckpointError, CheckpointIntegrityError
-from .files import fsync_dir, read_header, tensor_checksum, tensor_view
+from .files import crc_hex, fsync_dir, range_crc, read_header, tensor_view
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "rank_file", "part_file", "write_json_atomic",
            "read_manifest", "merge_parts", "CheckpointReader"]
@@ -125,6 +125,13 @@ def merge_parts(parts: list, layout: dict, step=None, extra=None) -> dict:
             "layout": layout, "files": files, "parameters": dict(sorted(params.items()))}
 
 
+def _empty(shape, dtype, scratch) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if scratch is None or scratch.nbytes < nbytes:
+        return np.empty(shape, dtype)
+    return scratch[:nbytes].view(dtype).reshape(shape)
+
+
 class CheckpointReader:
     """Reads global slices of a checkpoint's parameters through memory maps.
 
@@ -172,7 +179,9 @@ class CheckpointReader:
         arr = tensor_view(path, header, start, shard["key"])
         tag = (shard["file"], shard["key"])
         if self.verify and tag not in self._checked:
-            got = tensor_checksum(arr)
+            b, e = header[shard["key"]]["data_offsets"]
+            with open(path, "rb") as fh:
+                got = crc_hex(range_crc(fh, start + b, e - b))
             if got != shard["crc32"]:
                 raise CheckpointIntegrityError(
                     f"{path}: checksum mismatch in tensor {shard['key']!r} (crc32 {got}, the "
@@ -180,10 +189,12 @@ class CheckpointReader:
             self._checked.add(tag)
         return arr
 
-    def read_box(self, name: str, box: dict) -> np.ndarray:
+    def read_box(self, name: str, box: dict, scratch=None) -> np.ndarray:
         """The global slice of ``name`` given by ``box`` ({dim: (start, stop)}, other dims
         whole), assembled from the shards that intersect it. May be a read-only view of
-        the memory-mapped file: copy it (``np.array``) to keep it."""
+        the memory-mapped file: copy it (``np.array``) to keep it. A slice that must be
+        assembled goes into ``scratch`` (a 1-D uint8 array, reused by a streaming caller
+        that consumes each slice before asking for the next) when it is large enough."""
         entry = self.params[name]
         shape = list(entry["shape"])
         for d, (a, b) in box.items():
@@ -216,7 +227,7 @@ class CheckpointReader:
                     # slice itself (no copy; the caller copies or streams it).
                     return part
                 if out is None:
-                    out = np.empty(shape, part.dtype)
+                    out = _empty(shape, part.dtype, scratch)
                 out[tuple(dst)] = part
         want = shape[entry["shards"][0]["dim"]] if entry["shards"] else None
         if out is None or covered != want:
@@ -224,9 +235,9 @@ class CheckpointReader:
                 f"{self.directory}: parameter {name!r} is not fully covered by its shards.")
         return out
 
-    def read_piece(self, name: str, piece: dict, rows=None) -> np.ndarray:
+    def read_piece(self, name: str, piece: dict, rows=None, scratch=None) -> np.ndarray:
         """A rank's local tensor for ``piece`` (see :mod:`.plan`), optionally only the
-        local rows ``rows = (a, b)`` of dim 0."""
+        local rows ``rows = (a, b)`` of dim 0 (``scratch``: see :meth:`read_box`)."""
         shape = self.params[name]["shape"]
         if not shape:
             return self.read_box(name, {})
@@ -234,7 +245,10 @@ class CheckpointReader:
         if dim is None or dim != 0:
             box = {0: rows} if rows is not None else {}
             if dim is None:
-                return self.read_box(name, box)
+                return self.read_box(name, box, scratch)
+            if len(piece["ranges"]) == 1:
+                (g0, g1, _), = piece["ranges"]
+                return self.read_box(name, {**box, dim: (g0, g1)}, scratch)
             parts = [self.read_box(name, {**box, dim: (g0, g1)}) for g0, g1, _ in piece["ranges"]]
             return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=dim)
         out = []

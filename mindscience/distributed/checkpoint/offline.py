@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -125,36 +126,52 @@ def inspect(directory: str, checksums: bool = True, progress=None) -> dict:
     return data
 
 
-def _rows_per_slab(shape, itemsize: int) -> int:
+# reshard streams in smaller slabs than CHUNK_BYTES: two output files are written at
+# once, each holding one slab of mapped source pages and one assembled slab.
+RESHARD_SLAB_BYTES = 16 << 20
+
+
+def _rows_per_slab(shape, itemsize: int, slab_bytes: int = CHUNK_BYTES) -> int:
     row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize if len(shape) > 1 else itemsize
-    return max(1, CHUNK_BYTES // max(1, row))
+    return max(1, slab_bytes // max(1, row))
 
 
-def _piece_chunks(reader: CheckpointReader, name: str, piece: dict, progress):
-    """The local tensor of ``piece``, in C-ordered slabs of rows."""
+def _piece_chunks(reader: CheckpointReader, name: str, piece: dict, progress,
+                  slab_bytes: int = CHUNK_BYTES, scratch=None):
+    """The local tensor of ``piece``, in C-ordered slabs of rows (each valid until the
+    next is asked for when ``scratch`` is given)."""
     entry = reader.params[name]
     shape = local_shape(entry["shape"], piece)
     if not shape:
-        yield reader.read_piece(name, piece)
+        chunk = reader.read_piece(name, piece)
+        yield chunk
+        if progress is not None:
+            progress(chunk.nbytes)
         return
-    step = _rows_per_slab(shape, np.dtype(NUMPY_DTYPES[entry["dtype"]]).itemsize)
+    step = _rows_per_slab(shape, np.dtype(NUMPY_DTYPES[entry["dtype"]]).itemsize, slab_bytes)
     for a in range(0, shape[0], step):
-        chunk = reader.read_piece(name, piece, rows=(a, min(a + step, shape[0])))
+        chunk = reader.read_piece(name, piece, rows=(a, min(a + step, shape[0])), scratch=scratch)
         yield chunk
         if progress is not None:
             progress(chunk.nbytes)
 
 
-def reshard(directory: str, out: str, layout, progress=None, verify: bool = True) -> dict:
+def reshard(directory: str, out: str, layout, progress=None, verify: bool = True,
+            workers: int = 2) -> dict:
     """Write the checkpoint as ``layout`` (a Layout) would have saved it.
 
     Every parameter is checked to be splittable first; ``out`` is built as
-    ``out.partial`` and renamed at the end. Returns the new manifest.
+    ``out.partial`` and renamed at the end. Returns the new manifest. ``workers`` new
+    rank files are written at once (threads: the copies, checksums and fsyncs release
+    the GIL, so one file's disk flush overlaps the next one's copy).
 
     Raises:
         CheckpointError: ``out`` exists; a parameter the new layout cannot split.
         CheckpointIntegrityError: a missing, truncated or corrupt source file.
     """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise CheckpointError(f"workers={workers!r}: expected a positive integer (files "
+                              "written at once; 2 suits most disks).")
     reader = CheckpointReader(directory, verify=verify)
     reader.check_files()
     params = reader.params
@@ -172,14 +189,30 @@ def reshard(directory: str, out: str, layout, progress=None, verify: bool = True
         raise CheckpointError(f"{out} exists: the output must be a new path. Remove it or "
                               "choose another.")
     tmp = prepare(str(out))
+
+    def one_rank(rank):
+        items = plan.get(rank, [])
+        pieces = dict(items)
+        scratch = np.empty(RESHARD_SLAB_BYTES, np.uint8)
+        return write_rank(tmp, rank, layout.coords(rank)["pp"],
+                          [(n, params[n]["dtype"], params[n]["shape"], params[n]["sharding"], p,
+                            None) for n, p in items],
+                          chunks=lambda n: _piece_chunks(reader, n, pieces[n], progress,
+                                                         RESHARD_SLAB_BYTES, scratch))
     try:
-        for rank in range(layout.world_size):
-            items = plan.get(rank, [])
-            pieces = dict(items)
-            write_rank(tmp, rank, layout.coords(rank)["pp"],
-                       [(n, params[n]["dtype"], params[n]["shape"], params[n]["sharding"], p, None)
-                        for n, p in items],
-                       chunks=lambda n: _piece_chunks(reader, n, pieces[n], progress))
+        if workers == 1:
+            for rank in range(layout.world_size):
+                one_rank(rank)
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = [pool.submit(one_rank, rank) for rank in range(layout.world_size)]
+                try:
+                    for future in futures:
+                        future.result()
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
         manifest = finish(str(out), layout.world_size, layout.to_dict(),
                           reader.manifest.get("step"), reader.manifest.get("extra"))
     except BaseException:
