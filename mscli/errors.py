@@ -34,6 +34,43 @@ def check_output_folder(option: str, path: str) -> None:
         raise UsageError(f"{option} {path}: folder {folder} does not exist. Create it or pick another path.")
 
 
+def check_output_file(option: str, path: str, suffixes: tuple = ()) -> None:
+    """An output file option (``--svg``, ``--png``, ``--plot``) must name a file this process can write.
+
+    Checked before any work, so a long run does not end in a failed write: it is not a
+    folder, the name ends in one of ``suffixes`` (when given; the format follows the option,
+    not the name, so a mismatch would write e.g. PNG bytes into ``plan.svg``), its folder
+    exists, and a file can be created there (opened for appending, and removed again when
+    it did not exist: ``os.access`` says yes to root even on ``/proc``).
+
+    Raises:
+        UsageError: one line naming the option, the path and the fix.
+    """
+    if os.path.isdir(path):
+        name = "picture" + suffixes[0] if suffixes else "FILE"
+        raise UsageError(f"{option} {path}: is a folder: expected a file name, e.g. {os.path.join(path, name)}.")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffixes and suffix not in suffixes:
+        names = " or ".join(suffixes)
+        raise UsageError(f"{option} {path}: expected a file name ending in {names}, e.g. picture{suffixes[0]}"
+                         f"{' (--png writes PNG, --svg SVG)' if option in ('--svg', '--png') else ''}.")
+    check_output_folder(option, path)
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{option} {path}: cannot write there ({err.strerror or err}). Pick a writable "
+                         "folder.") from None
+    if not existed:
+        os.remove(path)
+
+
+def write_error(option: str, path: str, err: OSError) -> UsageError:
+    """The one-line error of a failed write of an output option (a full disk, a vanished folder)."""
+    return UsageError(f"{option} {path}: cannot write it ({err.strerror or err}). Pick a writable folder.")
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> "typer.Exit":
     """Print ``message`` as one line on stderr and return the Exit to raise."""
     sys.stderr.write(f"msdist: error: {message}\n")

@@ -7,15 +7,22 @@ MindSpore. matplotlib (the ``plots`` extra) is imported only when a picture is a
 for, with the Agg backend and no pyplot, so ``msdist plan`` stays fast without it.
 
 SVG output keeps text as text (``svg.fonttype = none``) and names the drawn things with
-``gid`` (``cell-r5``, ``mem-s0-weights``, ``bw-all_reduce-tp``, ``sched-s1-F3-c0``), so a
-test or a script can find a rank's cell and read its colour.
+``gid`` (``cell-r5``, ``mem-s0-weights``, ``bw-all_reduce-tp``, ``sched-s1-F3-c0`` and its
+number ``schedlabel-s1-F3-c0``, the chart frames ``axes-memory``, ``axes-time``,
+``axes-bandwidth``), so a test or a script can find a rank's cell, read its colour or map
+an axis's ticks to pixels.
+
+Output paths are checked before anything is drawn (:func:`mscli.errors.check_output_file`:
+the suffix matches the format, the folder takes a file); a write that still fails is one
+:class:`~mscli.errors.UsageError` line.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
-from .errors import UsageError
+from .errors import UsageError, check_output_file, write_error
 
 AXES = ("tp", "cp", "dp", "pp")
 # A world larger than this is drawn as its first and last EDGE_NODES nodes.
@@ -56,11 +63,18 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def save(fig, path: str, fmt: str | None = None) -> None:
-    """Write ``fig`` as SVG or PNG (``fmt``, else the file's suffix, else SVG)."""
+def save(fig, path: str, fmt: str | None = None, option: str = "--svg") -> None:
+    """Write ``fig`` as SVG or PNG (``fmt``, else the file's suffix, else SVG).
+
+    Raises:
+        UsageError: the file cannot be written (one line naming ``option`` and ``path``).
+    """
     fmt = fmt or ("png" if os.path.splitext(path)[1].lower() == ".png" else "svg")
     metadata = {"Date": None} if fmt == "svg" else None
-    fig.savefig(path, format=fmt, dpi=PNG_DPI, metadata=metadata, bbox_inches="tight", pad_inches=0.12)
+    try:
+        fig.savefig(path, format=fmt, dpi=PNG_DPI, metadata=metadata, bbox_inches="tight", pad_inches=0.12)
+    except OSError as err:
+        raise write_error(option, path, err) from None
 
 
 # ------------------------------------------------------------------ the device grid
@@ -115,17 +129,35 @@ def grid_cells(plan: dict, color_by: str | None = None) -> dict:
             "columns_total": columns_total}
 
 
-def group_color(index: int) -> str:
-    """The ``index``-th of 20 distinct colours (repeating): tab20's ten dark hues, then its ten light."""
+@functools.lru_cache(maxsize=1)
+def palette() -> tuple[str, ...]:
+    """The group colours, 56 distinct ones from matplotlib's qualitative maps, most distinct first.
+
+    tab20's ten dark hues, then its ten light ones (the first 20, as before); then tab20b's
+    five and tab20c's four colour families (tab20c's greys would vanish on the grey stage
+    bands), one shade at a time in the order darkest, third, second, lightest, so that
+    neighbouring groups change hue.
+    """
     from matplotlib import colormaps, colors
 
-    index %= 20
-    return colors.to_hex(colormaps["tab20"]((2 * index) % 20 + index // 10))
+    tab20 = [colormaps["tab20"]((2 * i) % 20 + i // 10) for i in range(20)]
+    b, c = colormaps["tab20b"].colors, colormaps["tab20c"].colors
+    families = [fam for pair in zip([b[4 * f:4 * f + 4] for f in range(5)],
+                                    [c[4 * f:4 * f + 4] for f in range(4)] + [None]) for fam in pair if fam]
+    extra = [family[shade] for shade in (0, 2, 1, 3) for family in families]
+    return tuple(colors.to_hex(color) for color in tab20 + extra)
+
+
+def group_color(index: int) -> str:
+    """The ``index``-th group colour of :func:`palette` (repeating after its 56)."""
+    colours = palette()
+    return colours[index % len(colours)]
 
 
 def grid_colors(grid: dict) -> dict[int, str]:
-    """Colour of each group drawn in the grid: by order of first appearance, so the drawn groups
-    (up to 20) all differ even when the world has thousands."""
+    """Colour of each group drawn in the grid, by order of first appearance: the drawn groups (up
+    to 56) all differ even when the world has thousands; beyond, group i and i + 56 share one
+    (the picture says so)."""
     order = sorted({cell["group"] for cell in grid["cells"].values()})
     return {group: group_color(i) for i, group in enumerate(order)}
 
@@ -233,7 +265,11 @@ def draw_grid(ax, plan: dict, color_by: str | None = None, highlight: int | None
     notes = [f"groups crossing nodes: {', '.join(crossing)}" if crossing else "no group crosses a node"]
     if grid["node_gap"] >= 0:
         notes.append(f"{len(grid['nodes'])} of {grid['nodes_total']} nodes drawn (first and last {EDGE_NODES})")
-    ax.set_xlabel("; ".join(notes), fontsize=8, loc="left")
+    label = "; ".join(notes)
+    if len(shown) > len(palette()):  # more groups than distinguishable colours: say so, on its own line
+        label += (f"\n{len(shown)} {axis} groups drawn with {len(palette())} colours: groups {len(palette())} "
+                  "apart share one (read the rank labels)")
+    ax.set_xlabel(label, fontsize=8, loc="left")
     return grid
 
 
@@ -260,10 +296,11 @@ def draw_memory(ax, memory: dict) -> list[int]:
     ax.set_xticks(xs, [str(s["stage"]) for s in stages], fontsize=7 if len(xs) <= 16 else 5)
     ax.set_xlabel("pipeline stage")
     ax.set_ylabel("GiB per device")
+    ax.set_gid("axes-memory")
     ax.set_ylim(0, max(max(bottoms), device) * 1.18)
     ax.set_title("memory per stage" + (f": {len(over)} of {len(stages)} over" if over else ": fits"),
                  fontsize=9, loc="left")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     return over
 
 
@@ -282,6 +319,7 @@ def draw_time(ax, time: dict) -> None:
     ax.set_xlim(-0.6, 0.6)
     ax.set_ylim(0, max(bottom, float(time["step_time_s"]), 1e-12) * 1.05)
     ax.set_ylabel("seconds per step")
+    ax.set_gid("axes-time")
     extra = []
     if time.get("tokens_per_s"):
         extra.append(f"{time['tokens_per_s']:,.0f} tokens/s")
@@ -290,15 +328,39 @@ def draw_time(ax, time: dict) -> None:
     ax.set_title(f"step {time['step_time_s']:.3g} s" + ("\n" + ", ".join(extra) if extra else ""), fontsize=9,
                  loc="left")
     handles, labels = ax.get_legend_handles_labels()  # top of the stack first, as drawn
-    ax.legend(handles[::-1], labels[::-1], fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
 # ------------------------------------------------------------------ pipeline timeline
-def draw_schedule(ax, schedule: dict) -> None:
+SCHEDULE_FONT = 6
+# Room the timeline's axis leaves for everything else across the figure: stage labels and legend.
+SCHEDULE_MARGIN_IN = 2.8
+
+
+def schedule_numbered(timeline: list, makespan: float, width_in: float) -> bool:
+    """Whether the timeline's blocks get their microbatch numbers: all of them or none.
+
+    One rule for every block (a forward is half a backward's width, so a per-block rule
+    numbered the backwards of a long timeline and not its forwards): the narrowest block
+    must hold the widest number at :data:`SCHEDULE_FONT` points, with the axis
+    ``width_in - SCHEDULE_MARGIN_IN`` inches wide.
+    """
+    blocks = [b for row in timeline for b in row]
+    if not blocks or makespan <= 0:
+        return False
+    narrowest = min(float(b["end"]) - float(b["start"]) for b in blocks)
+    digits = max(len(str(b["microbatch"])) for b in blocks)
+    points_per_unit = max(width_in - SCHEDULE_MARGIN_IN, 1.0) * 72 / makespan
+    # A digit of DejaVu Sans is 0.64 em wide; keep a point of margin.
+    return narrowest * points_per_unit >= 0.64 * SCHEDULE_FONT * digits + 1.0
+
+
+def draw_schedule(ax, schedule: dict, width_in: float = 8.0) -> None:
     """The pipeline schedule's timeline: one row per stage, forward and backward blocks per microbatch.
 
     ``schedule`` is plan's ``"schedule"`` data (``timeline`` per stage of ``{"kind", "microbatch",
-    "chunk", "start", "end"}`` in units of one chunk's forward).
+    "chunk", "start", "end"}`` in units of one chunk's forward); ``width_in`` the figure's
+    width, which decides whether the blocks are numbered (:func:`schedule_numbered`).
     """
     from matplotlib.patches import Patch, Rectangle
 
@@ -306,27 +368,30 @@ def draw_schedule(ax, schedule: dict) -> None:
     chunks = max(1, int(schedule.get("virtual_stages") or 1))
     palette = {"F": ("#4e79a7", "#a0cbe8"), "B": ("#f28e2b", "#ffbe7d")}
     makespan = float(schedule.get("makespan") or max((b["end"] for row in timeline for b in row), default=1))
+    numbered = schedule_numbered(timeline, makespan, width_in)
     for stage, row in enumerate(timeline):
         for block in row:
             kind = block["kind"]
             color = palette.get(kind, ("#59a14f", "#8cd17d"))[int(block.get("chunk", 0)) % 2]
             start, end = float(block["start"]), float(block["end"])
+            name = f"s{stage}-{kind}{block['microbatch']}-c{block.get('chunk', 0)}"
             ax.add_patch(Rectangle((start, stage - 0.4), end - start, 0.8, facecolor=color, edgecolor="white",
-                                   linewidth=0.6, gid=f"sched-s{stage}-{kind}{block['microbatch']}-c{block.get('chunk', 0)}"))
-            if end - start >= 0.6 and makespan / max(end - start, 1e-9) < 120:
-                ax.text((start + end) / 2, stage, str(block["microbatch"]), ha="center", va="center", fontsize=6,
-                        color=_text_color(color))
+                                   linewidth=0.6, gid=f"sched-{name}"))
+            if numbered:
+                ax.text((start + end) / 2, stage, str(block["microbatch"]), ha="center", va="center",
+                        fontsize=SCHEDULE_FONT, color=_text_color(color), gid=f"schedlabel-{name}")
     ax.set_xlim(0, makespan)
     ax.set_ylim(len(timeline) - 0.5, -0.5)
     ax.set_yticks(range(len(timeline)), [f"stage {s}" for s in range(len(timeline))])
-    ax.set_xlabel("time (one chunk's forward = 1; a backward lasts 2)")
+    ax.set_xlabel("time (one chunk's forward = 1; a backward lasts 2)"
+                  + ("" if numbered else "; blocks too narrow to number by microbatch"))
     bubble = schedule.get("bubble_fraction")
     title = (f"{schedule['schedule']} schedule: {schedule['stages']} stages x {schedule['microbatches']} "
              f"microbatches" + (f", {chunks} virtual stages" if chunks > 1 else "") + f", makespan {makespan:g}")
     if bubble is not None:
         title += f", bubble {100 * bubble:.1f}%"
     ax.set_title(title, fontsize=9, loc="left")
-    handles = [Patch(facecolor=palette["F"][0], label="forward (number = microbatch)"),
+    handles = [Patch(facecolor=palette["F"][0], label="forward" + (" (number = microbatch)" if numbered else "")),
                Patch(facecolor=palette["B"][0], label="backward")]
     if chunks > 1:
         handles += [Patch(facecolor=palette["F"][1], label="forward, odd chunk"),
@@ -353,12 +418,16 @@ def plan_figure(plan: dict, color_by: str | None = None, highlight: int | None =
     ratios = [grid_w] + ([mem_w] if memory else []) + ([time_w] if time_w else [])
     axes = panels[0].subplots(1, len(ratios), width_ratios=ratios, squeeze=False)[0]
     draw_grid(axes[0], plan, color_by, highlight)
+    # The equal-aspect grid rarely fills its share: keep it (and its legend) against the charts on
+    # its right and level with their titles, so the spare room falls at the picture's left and
+    # bottom edges, which saving with a tight bounding box trims, not between legend and charts.
+    axes[0].set_anchor("NE" if memory else "NW")
     if memory:
         draw_memory(axes[1], memory)
     if time_w:
         draw_time(axes[2], time)
     if schedule:
-        draw_schedule(panels[1].subplots(), schedule)
+        draw_schedule(panels[1].subplots(), schedule, width)
     return fig
 
 
@@ -407,6 +476,7 @@ def bandwidth_figure(report: dict):
         ax.set_xlim(sizes[0] / 1.5, sizes[-1] * 1.5)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("message size (bytes, log2)")
+    ax.set_gid("axes-bandwidth")
     ax.set_ylabel("bus bandwidth (GB/s)")
     layout = report.get("layout", {})
     dtype = report["bandwidth"][0]["dtype"] if report.get("bandwidth") else ""
@@ -426,29 +496,12 @@ def bandwidth_figure(report: dict):
 
 
 def check_plot(path: str) -> None:
-    """``verify --plot``'s target: FILE.svg or FILE.png in a folder that exists, and matplotlib."""
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix not in (".svg", ".png"):
-        raise UsageError(f"--plot {path}: expected a file name ending in .svg or .png, e.g. bandwidth.svg.")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"--plot {path}: folder {folder} does not exist. Create it or pick another path.")
+    """``verify --plot``'s target: a writable FILE.svg or FILE.png (not a folder), and matplotlib.
+
+    ``verify`` calls it before launching any rank, so a bad path costs no run.
+    """
+    check_output_file("--plot", path, (".svg", ".png"))
     require("--plot")
-
-
-def load_report(path: str) -> dict:
-    """A verify report saved with ``--output`` (JSON), checked to look like one."""
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            report = json.load(fh)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--from-report {path}: cannot read it as JSON ({err}).") from None
-    if not isinstance(report, dict) or not {"ok", "layout", "bandwidth"} <= set(report):
-        raise UsageError(f"--from-report {path}: not a msdist verify report (expected the JSON of "
-                         "msdist verify --output FILE, with keys ok, layout, bandwidth).")
-    return report
 
 
 def save_plan(plan: dict, outputs, color_by: str | None = None, highlight: int | None = None) -> None:
@@ -457,11 +510,11 @@ def save_plan(plan: dict, outputs, color_by: str | None = None, highlight: int |
     with matplotlib.rc_context(SVG_RC):
         fig = plan_figure(plan, color_by, highlight)
         for path, fmt in outputs:
-            save(fig, path, fmt)
+            save(fig, path, fmt, f"--{fmt}")
 
 
 def save_bandwidth(report: dict, path: str) -> None:
     """Write ``verify``'s bandwidth picture to ``path`` (SVG, or PNG by suffix)."""
     matplotlib = require("--plot")
     with matplotlib.rc_context(SVG_RC):
-        save(bandwidth_figure(report), path)
+        save(bandwidth_figure(report), path, option="--plot")

@@ -91,7 +91,7 @@ def communication_table(estimate: dict, cluster: dict) -> Table:
                       human_seconds(row["est_time_s"]))
     if comm["bottleneck"]:
         table.caption = (f"total {human_seconds(comm['est_time_s'])} per step; bottleneck: "
-                         f"{comm['bottleneck']}; pipeline bubble (pp-1)/m = "
+                         f"{comm['bottleneck']}; pipeline bubble (p-1)/(v*m) = "
                          f"{estimate['model']['pipeline_bubble']:.1%}")
     else:
         table.caption = "no communication: every axis has size 1"

@@ -78,6 +78,47 @@ def test_plan_model_tables_in_human_view_and_svg(tmp_path):
     assert "memory" in text and "communication" in text and "bottleneck" in text
 
 
+def test_plan_virtual_stages_prices_the_schedule_it_draws(tmp_path):
+    from dataclasses import replace
+
+    base = json.loads(invoke("plan", "ascend-64", "-m", "gqa-7b", "--format", "json").stdout)
+    result = invoke("plan", "ascend-64", "-m", "gqa-7b", "--schedule", "interleaved", "--virtual-stages", 2,
+                    "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["schedule"]["virtual_stages"] == 2 and data["model"]["training"]["virtual_pipeline_stages"] == 2
+    # The step time is that of the model trained with training.virtual_pipeline_stages: 2 ...
+    workload = load_workload(bundled_models()["gqa-7b"])
+    two = replace(workload, training=replace(workload.training, virtual_pipeline_stages=2))
+    expected = estimate(load_layout(bundled_layouts()["ascend-64"]), two)
+    assert data["time"]["step_time_s"] == pytest.approx(expected["time"]["step_time_s"])
+    # ... whose bubble (p-1)/(v*m) is half that of v = 1: 1/128 -> 1/256 of the compute with m = 128.
+    assert base["model"]["pipeline_bubble"] == pytest.approx(1 / 128)
+    assert data["model"]["pipeline_bubble"] == pytest.approx(1 / 256)
+    assert data["time"]["breakdown"]["bubble_s"] == pytest.approx(base["time"]["breakdown"]["bubble_s"] / 2)
+    # With a model, --virtual-stages prices the step without drawing a schedule.
+    alone = json.loads(invoke("plan", "ascend-64", "-m", "gqa-7b", "--virtual-stages", 2, "--format", "json").stdout)
+    assert "schedule" not in alone and alone["time"]["step_time_s"] == data["time"]["step_time_s"]
+    # A model file that asks for 2 chunks: --schedule interleaved draws 2 without the option.
+    model = tmp_path / "v2.yaml"
+    model.write_text(bundled_models()["gqa-7b"].read_text() + "  virtual_pipeline_stages: 2\n")
+    drawn = json.loads(invoke("plan", "ascend-64", "-m", model, "--schedule", "interleaved", "--format",
+                              "json").stdout)
+    assert drawn["schedule"]["virtual_stages"] == 2 and drawn["model"]["training"]["virtual_pipeline_stages"] == 2
+    # --virtual-stages 1 overrides the file: the plain 1F1B bubble again.
+    one = json.loads(invoke("plan", "ascend-64", "-m", model, "--virtual-stages", 1, "--format", "json").stdout)
+    assert one["model"]["pipeline_bubble"] == pytest.approx(1 / 128)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("--virtual-stages", 2), "--microbatches and --virtual-stages describe a schedule"),
+    (("--virtual-stages", 0, "-m", "gqa-7b"), "--virtual-stages 0 is invalid"),
+    (("--virtual-stages", 3, "-m", "gqa-7b"), "num_layers % (pp*virtual_pipeline_stages) fails"),
+])
+def test_plan_virtual_stages_errors(args, fragment):
+    assert_bad_input(invoke("plan", "ascend-64", *args), fragment)
+
+
 def test_layout_file_with_model_section_and_override(tmp_path):
     layout = write(tmp_path, "world_size: 8\ntp: 2\npp: 2\ncluster:\n  device_memory_gb: 1\n" + SMALL_MODEL,
                    "layout.yaml")

@@ -60,6 +60,16 @@ class Svg:
     def all_text(self):
         return "\n".join(self.text())
 
+    def ticks(self, axes_gid, axis):
+        """{label: pixel} of the labelled major ticks on the ``axis`` ("x" or "y") of the axes ``axes_gid``."""
+        found = {}
+        for group in self.by_id[axes_gid].iter(NS + "g"):
+            if (group.get("id") or "").startswith(f"{axis}tick_"):
+                label = "".join(t.text or "" for t in group.iter(NS + "text"))
+                if label:
+                    found[label] = float(next(group.iter(NS + "use")).get(axis))
+        return found
+
 
 def plan_of(name, **kwargs):
     spec, _ = load(name)
@@ -167,6 +177,27 @@ def test_large_world_draws_first_and_last_nodes(tmp_path):
     assert "+8176 more tp groups" in text
 
 
+def test_colour_by_cp_gives_each_of_32_groups_its_own_colour(tmp_path):
+    plan = plan_of("ascend-64")
+    svg = draw_plan(tmp_path, plan, color_by="cp")
+    groups = plan["groups"]["cp"]  # [0, 4], [1, 5], ..., [59, 63]: 32 groups, all drawn
+    colours = [{svg.fill(f"cell-r{r}") for r in members} for members in groups]
+    assert len(groups) == 32 and all(len(c) == 1 for c in colours)
+    assert len({c.pop() for c in colours}) == 32  # nodes 5-7 no longer repeat the colours of nodes 0-2
+    assert "share one" not in svg.all_text()
+
+
+def test_more_groups_than_colours_repeat_them_and_say_so(tmp_path):
+    plan = build_plan(Layout(world_size=256, tp=2, devices_per_node=16))  # 128 tp groups, all drawn
+    svg = draw_plan(tmp_path, plan)
+    n = len(pictures.palette())
+    fills = [svg.fill(f"cell-r{2 * g}") for g in range(128)]
+    assert [svg.fill(f"cell-r{2 * g + 1}") for g in range(128)] == fills  # one colour per group
+    assert n == 56 and len(set(fills[:n])) == n  # the first 56 groups all differ
+    assert all(fills[g] == fills[g - n] for g in range(n, 128))  # then the colours repeat, 56 groups apart
+    assert f"128 tp groups drawn with {n} colours: groups {n} apart share one" in svg.all_text()
+
+
 def test_wide_node_elides_columns(tmp_path):
     plan = build_plan(Layout(world_size=256, tp=8, devices_per_node=128))
     grid = pictures.grid_cells(plan)
@@ -211,6 +242,22 @@ def test_memory_chart_bars_device_line_and_over_marks(tmp_path):
     assert "over by" in text and "14 GiB" in text and "device memory 64 GiB" in text
     assert "memory per stage: 1 of 2 over" in text and "GiB per device" in text
     assert not svg.ids("time-")  # no "time" data, no step-time bar
+
+
+@pytest.mark.parametrize("device_gib", [64, 100])
+def test_memory_chart_y_range_covers_the_device_line_and_the_tallest_bar(tmp_path, device_gib):
+    plan = {**build_plan(Layout(world_size=8, tp=4, pp=2)), "memory": memory_data(device_gib)}
+    svg = draw_plan(tmp_path, plan)
+    _, top, _, bottom = svg.box("axes-memory")  # the chart's frame, in pixels (y grows downwards)
+    ticks = {float(label): y for label, y in svg.ticks("axes-memory", "y").items()}
+    assert min(ticks) == 0 and ticks[0] == pytest.approx(bottom, abs=0.01)  # the y axis starts at 0 GiB
+    per_gib = (ticks[0] - ticks[max(ticks)]) / max(ticks)
+    assert (bottom - top) / per_gib >= max(78, device_gib)  # the frame reaches above the line and the bars
+    device_y, tallest_y = svg.points("mem-device")[0][1], svg.box("mem-s1-communicators")[1]  # stage 1: 78 GiB
+    assert (bottom - device_y) / per_gib == pytest.approx(device_gib, rel=1e-3)
+    assert (bottom - tallest_y) / per_gib == pytest.approx(78, rel=1e-3)
+    assert top < min(device_y, tallest_y)
+    assert svg.box("mem-s0-weights")[3] == pytest.approx(bottom, abs=0.01)  # bars stand on 0
 
 
 def test_step_time_bar(tmp_path):
@@ -259,6 +306,34 @@ def test_schedule_timeline_blocks(tmp_path):
     assert f"bubble {100 * schedule['bubble_fraction']:.1f}%" in text and "stage 1" in text
 
 
+def test_schedule_numbers_every_block_or_none(tmp_path):
+    short, long = tmp_path / "short.svg", tmp_path / "long.svg"
+    for target, m in ((short, "4"), (long, "40")):
+        result = runner.invoke(app, ["plan", "cpu-8-pp2", "--schedule", "1f1b", "--microbatches", m,
+                                     "--svg", str(target)])
+        assert result.exit_code == 0, result.output
+    svg = Svg(short)
+    blocks, labels = svg.ids("sched-"), svg.ids("schedlabel-")
+    assert len(blocks) == 16 and {label.replace("schedlabel-", "sched-") for label in labels} == set(blocks)
+    for label in labels:  # schedlabel-s1-F3-c0 reads 3
+        assert svg.text(label) == [re.match(r"schedlabel-s\d+-[FB](\d+)-c\d+", label).group(1)]
+    assert "forward (number = microbatch)" in svg.all_text()
+    # 40 micro-batches: a forward block is too narrow for "39", so no block is numbered, backwards included.
+    svg = Svg(long)
+    assert len(svg.ids("sched-")) == 2 * 2 * 40 and svg.ids("schedlabel-") == []
+    assert "blocks too narrow to number by microbatch" in svg.all_text()
+    assert "forward (number = microbatch)" not in svg.all_text()
+
+
+def test_schedule_numbering_rule_uses_the_narrowest_block():
+    schedule = gpipe_schedule(p=2, m=12)  # forwards 1 unit, backwards 2, makespan 39
+    timeline, makespan = schedule["timeline"], schedule["makespan"]
+    # 8 in wide: (8 - 2.8) * 72 / 39 = 9.6 pt per unit; "11" at 6 pt needs 0.64 * 6 * 2 + 1 = 8.68 pt.
+    assert pictures.schedule_numbered(timeline, makespan, 8.0)
+    # 6 in: 5.9 pt per unit: a backward (11.8 pt) would hold "11", a forward not, so neither is numbered.
+    assert not pictures.schedule_numbered(timeline, makespan, 6.0)
+
+
 def test_plan_schedule_svg_draws_the_simulated_timeline(tmp_path):
     target = tmp_path / "s.svg"
     result = runner.invoke(app, ["plan", "cpu-8-pp2", "--schedule", "1f1b", "--microbatches", "4",
@@ -291,7 +366,8 @@ def report_data():
     rows += [bw_row("all_gather", "dp-cp", 4, s, b, crosses_nodes=True) for s, b in ((1024, 0.05), (16384, 0.4))]
     rows += [bw_row("all_reduce", "pp", 1, 1024, 0.0)]  # a group of one: no line
     return {"ok": True, "layout": {"name": "cpu-4", "backend": "cpu", "tp": 2, "cp": 2, "dp": 1, "pp": 1,
-                                   "order": "tp-cp-dp-pp"}, "ranks": 4, "bandwidth": rows, "correctness": []}
+                                   "order": "tp-cp-dp-pp"}, "ranks": 4, "bandwidth": rows, "correctness": [],
+            "failures": []}
 
 
 def test_bandwidth_series_and_svg(tmp_path):
@@ -317,6 +393,24 @@ def test_bandwidth_series_and_svg(tmp_path):
                   "all_reduce tp (n=2)", "all_gather dp-cp (n=4) inter-node", "msdist verify cpu-4"):
         assert label in text, label
     assert "all_reduce pp" not in text
+
+
+def test_bandwidth_axes_cover_every_size_and_start_at_zero(tmp_path):
+    target = tmp_path / "bw.svg"
+    pictures.save_bandwidth(report_data(), str(target))
+    svg = Svg(target)
+    left, top, right, bottom = svg.box("axes-bandwidth")
+    xs = svg.ticks("axes-bandwidth", "x")
+    assert list(xs) == ["1K", "4K", "16K"]  # a labelled tick at every size, the smallest and the largest
+    assert left < xs["1K"] < xs["4K"] < xs["16K"] < right  # all inside the frame
+    assert xs["16K"] - xs["1K"] == pytest.approx(2 * (xs["4K"] - xs["1K"]), rel=1e-3)  # log 2: 4 doublings vs 2
+    tp = svg.points("bw-all_reduce-tp")
+    assert tp[0][0] == pytest.approx(xs["1K"], abs=0.01) and tp[-1][0] == pytest.approx(xs["16K"], abs=0.01)
+    ys = {float(label): y for label, y in svg.ticks("axes-bandwidth", "y").items()}
+    assert min(ys) == 0 and ys[0] == pytest.approx(bottom, abs=0.01)  # y starts at 0 at the frame's bottom
+    per_gbps = (ys[0] - ys[max(ys)]) / max(ys)
+    assert (bottom - top) / per_gbps >= 0.9  # and reaches the fastest point, 0.9 GB/s
+    assert tp[-1][1] == pytest.approx(bottom - 0.9 * per_gbps, abs=0.01)
 
 
 def test_png_is_written(tmp_path):
@@ -440,7 +534,7 @@ def test_without_matplotlib_the_flag_says_how_to_get_it(args, tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
-def test_plain_plan_imports_neither_matplotlib_nor_mindspore():
+def test_plain_plan_imports_neither_matplotlib_nor_mindspore(tmp_path):
     code = ("import sys\nfrom mscli.main import app\n"
             "try:\n    app(['plan', 'ascend-64', '--model', 'gqa-7b'])\nexcept SystemExit as e:\n    assert not e.code\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'mindspore'}))\n")
@@ -450,7 +544,7 @@ def test_plain_plan_imports_neither_matplotlib_nor_mindspore():
     picture = ("import sys\nfrom mscli.main import app\n"
                "try:\n    app(['plan', 'cpu-8-pp2', '--svg', sys.argv[1]])\nexcept SystemExit as e:\n"
                "    assert not e.code\nprint('mindspore' in sys.modules, 'matplotlib' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", picture, "/dev/null"], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", picture, str(tmp_path / "p.svg")], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False True"

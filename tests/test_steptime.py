@@ -8,6 +8,7 @@ One layer's forward: q/k/v 2*8*4*(4 + 8) = 768, output projection 2*8*4*4 = 256,
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -136,6 +137,19 @@ def test_estimate_time_section_matches_step_time():
 
 
 # ------------------------------------------------------------------ presets
+def test_every_breakdown_value_is_a_float():
+    # tp = cp = 1 have no collectives: their terms are 0.0, not the int 0 an empty sum gives.
+    for sizes in ((1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)):
+        model = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=2, seq_length=8, vocab_size=0)
+        t = step_time(model, TrainingSpec(global_batch_size=2), cluster(), *sizes)
+        assert all(type(v) is float for v in t["breakdown"].values()), (sizes, t["breakdown"])
+    plain = step_time(TOY, TrainingSpec(global_batch_size=1), cluster(), 1, 1, 1, 1)["breakdown"]
+    assert plain["tp_s"] == 0.0 and plain["cp_s"] == 0.0 and json.dumps(plain["tp_s"]) == "0.0"
+    result = invoke("suggest", "-m", "gqa-7b", "-w", 8, "--fix", "tp=1,cp=1", "--format", "json")
+    for c in json.loads(result.stdout)["candidates"]:
+        assert all(isinstance(v, float) for v in c["breakdown"].values())
+
+
 def test_device_presets_fill_and_explicit_keys_win():
     for name in ("ascend-910b", "a100-80gb", "h100-80gb", "h200", "cpu"):
         c = ClusterSpec(device=name)
@@ -151,10 +165,41 @@ def test_device_presets_fill_and_explicit_keys_win():
     (dict(compute_efficiency=1.5), "compute_efficiency=1.5 is invalid: expected a fraction"),
     (dict(peak_tflops=0), "peak_tflops=0 is invalid"),
     (dict(inter_node_latency_us=-1), "inter_node_latency_us=-1 is invalid"),
+    (dict(peak_tflops=float("inf")), "peak_tflops=inf is invalid: expected a finite number > 0"),
+    (dict(intra_node_gbps=float("inf")), "intra_node_gbps=inf is invalid"),
+    (dict(device_memory_gb=float("nan")), "device_memory_gb=nan is invalid"),
+    (dict(compute_efficiency=float("inf")), "compute_efficiency=inf is invalid"),
 ])
 def test_bad_cluster_values(kwargs, fragment):
     with pytest.raises(ModelError, match=fragment):
         ClusterSpec(**kwargs)
+
+
+@pytest.mark.parametrize("key,hint", [
+    ("compute_efficiency", "a fraction of the peak in (0, 1], e.g. 0.5"),
+    ("intra_node_latency_us", "microseconds of one small collective inside a node, e.g. 10"),
+    ("inter_node_latency_us", "microseconds of one small collective across nodes, e.g. 20"),
+    ("peak_tflops", "dense bf16/fp16 TFLOP/s per device, e.g. 300"),
+    ("device_memory_gb", "GiB of memory per device, e.g. 64"),
+    ("intra_node_gbps", "GB/s per device between devices of one node, e.g. 90"),
+    ("inter_node_gbps", "GB/s per device between nodes, e.g. 25"),
+])
+def test_each_cluster_key_has_its_own_example(key, hint):
+    with pytest.raises(ModelError) as err:
+        ClusterSpec(**{key: -1})
+    assert str(err.value) == f"{key}=-1 is invalid: expected a finite number > 0. Set {key} to {hint}."
+
+
+def test_infinite_value_in_a_cluster_section_is_one_line(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model:\n  num_layers: 2\n  hidden_size: 8\n  num_attention_heads: 2\n  seq_length: 8\n"
+                    "  vocab_size: 0\ncluster:\n  peak_tflops: .inf\n")
+    result = invoke("suggest", "-m", path, "-w", 4)
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert f"{path}: cluster.peak_tflops=inf is invalid: expected a finite number > 0" in result.stderr
+    assert "e.g. 300" in result.stderr
+    result = invoke("suggest", "-m", path, "-w", 4, "--device-memory-gb", "inf")
+    assert result.exit_code == 2
 
 
 # ------------------------------------------------------------------ calibration
@@ -184,6 +229,36 @@ def test_calibrate_takes_compute_bandwidth_and_latency_from_the_report():
     assert where["intra_node_gbps"] == "r.json: median busbw of 3 intra-node row(s)"
     assert where["compute_efficiency"].startswith("r.json: compute.matmul 0.05 TFLOP/s")
     assert where["device_memory_gb"] == "preset cpu"
+
+
+ROW = {"op": "all_reduce", "group": "tp", "bytes": 1024, "busbw_gbps": 1.0, "latency_us": 10.0, "crosses_nodes": False}
+
+
+@pytest.mark.parametrize("report,field,expected", [
+    ({"compute": 5}, "compute is 5 (int)", "expected an object"),
+    ({"bandwidth": [5]}, "bandwidth[0] is 5 (int)", "expected an object"),
+    ({"compute": {"tflops": 1}, "bandwidth": {"a": 1}}, "bandwidth is {'a': 1} (dict)", "expected a list"),
+    ({"compute": {"tflops": "x"}, "bandwidth": [{"busbw_gbps": "fast"}]}, "compute.tflops is 'x' (str)",
+     "TFLOP/s > 0"),
+    ({"compute": {"tflops": 1.0}, "bandwidth": [{"busbw_gbps": "fast"}]}, "bandwidth[0].op is missing", "a string"),
+    ({"bandwidth": [{**ROW, "busbw_gbps": "fast"}]}, "bandwidth[0].busbw_gbps is 'fast' (str)", "GB/s >= 0"),
+    ({"bandwidth": [{**ROW, "latency_us": -5}]}, "bandwidth[0].latency_us is -5 (int)", "microseconds >= 0"),
+    ({"bandwidth": [ROW, {**ROW, "bytes": 0}]}, "bandwidth[1].bytes is 0 (int)", "bytes > 0"),
+    ({"bandwidth": [{**ROW, "crosses_nodes": "no"}]}, "bandwidth[0].crosses_nodes is 'no' (str)", "true or false"),
+    ({"compute": {"tflops": float("inf")}}, "compute.tflops is inf (float)", "a finite number"),
+    ({"compute": {"dtype": "float32"}}, "compute.tflops is missing", "TFLOP/s > 0"),
+])
+def test_malformed_calibration_report_is_one_line_naming_file_and_field(tmp_path, report, field, expected):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(ModelError, match=re.escape(f"bad.json: {field}: expected")):
+        calibrate(ClusterSpec(), report, "bad.json")
+    for command in (("suggest", "-m", "sci-transformer-s", "-w", 8), ("plan", "cpu-4", "-m", "sci-transformer-s")):
+        result = invoke(*command, "--calibrate", path)
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in result.stderr
+        assert lines[0].startswith(f"msdist: error: {path}: {field}: expected") and expected in lines[0]
 
 
 # ------------------------------------------------------------------ suggest
@@ -226,6 +301,58 @@ def test_suggest_fix_micro_batches_and_virtual_stages():
         suggest(workload, 16, fix={"zp": 2})
 
 
+def test_a_tie_in_step_time_goes_to_the_lower_peak_memory():
+    # tp=2 (no sequence parallelism) and cp=2 on 2 devices, 2 layers, s = 4096, h = 64, one micro-batch.
+    # Compute is the same: each rank runs half of every matmul. Latency 2^-12 s per call and 2^30 B/s
+    # make every term a power of two, so the sums are exact:
+    #   tp: 4 all-reduces x 2 layers of s*h*2 B = 2^19 B, each sending 2^19 * 2(2-1)/2 B:
+    #       8 * 2^-12 + 8 * 2^19 / 2^30 = 8 * 2^-12 + 16 * 2^-12 = 24 * 2^-12 s
+    #   cp: 8 all-to-alls x 2 layers; a layer's forward or backward moves q, k, v, out of (s/2)*h*2 B,
+    #       2^20 B, so 4 passes 2^22 B, of which a rank sends (2-1)/2:
+    #       16 * 2^-12 + 2^21 / 2^30 = 16 * 2^-12 + 8 * 2^-12 = 24 * 2^-12 s
+    # and the cp layout's gradient all-reduce hides behind its backward. cp=2 halves every activation
+    # (tp without sequence parallelism only some), so it has the lower peak: it must come first,
+    # although the later keys (pp, cp, tp) would put tp=2 first.
+    model = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=4096, vocab_size=0)
+    training = TrainingSpec(sequence_parallel=False, global_batch_size=1)
+    link = dict(intra_node_gbps=2**30 / 1e9, inter_node_gbps=2**30 / 1e9,
+                intra_node_latency_us=2**-12 * 1e6, inter_node_latency_us=2**-12 * 1e6)
+    workload = Workload(model=model, training=training, cluster=ClusterSpec(peak_tflops=1, compute_efficiency=1,
+                                                                            **link))
+    ranked = suggest(workload, 2, fix={"dp": 1})["candidates"]
+    by_size = {(c["tp"], c["cp"], c["pp"]): c for c in ranked}
+    tp, cp = by_size[(2, 1, 1)], by_size[(1, 2, 1)]
+    assert tp["breakdown"]["tp_s"] == cp["breakdown"]["cp_s"] == 24 * 2**-12
+    assert tp["breakdown"]["compute_s"] == cp["breakdown"]["compute_s"] and cp["breakdown"]["dp_s"] == 0.0
+    assert tp["step_time_s"] == cp["step_time_s"]  # a real tie, to the last bit
+    assert cp["peak_bytes"] < tp["peak_bytes"]
+    assert ranked.index(cp) == ranked.index(tp) - 1  # the lower peak memory first
+
+
+def test_virtual_stages_that_rule_out_every_pipeline_say_why():
+    model = ModelSpec(num_layers=16, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=32000)
+    result = suggest(Workload(model=model), 64, virtual_stages=3)
+    assert result["candidates"] and all(c["pp"] == 1 for c in result["candidates"])  # pp = 1 layouts stay valid
+    assert len(result["notes"]) == 1
+    note = result["notes"][0]
+    assert note.startswith("virtual stages v=3: no layout with pp > 1 was priced (num_layers % "
+                           "(pp*virtual_pipeline_stages): ")
+    assert "num_layers=16 % (pp*v) == 0 holds for v = 2, 4, 8" in note
+    assert suggest(Workload(model=model), 64, virtual_stages=2)["notes"] == []
+    assert suggest(Workload(model=model), 64)["notes"] == []
+    # The CLI: the note is one stderr line, in the human view and beside JSON (which carries it as "notes").
+    path_args = ("-w", 64, "--virtual-stages", 3, "-k", 3)
+    human = invoke("suggest", "-m", "sci-transformer-s", *path_args)
+    assert human.exit_code == 0, human.output
+    data = invoke("suggest", "-m", "sci-transformer-s", *path_args, "--format", "json")
+    assert data.exit_code == 0
+    notes = json.loads(data.stdout)["notes"]
+    for result in (human, data):
+        lines = result.stderr.strip().splitlines()
+        assert lines == [f"msdist: note: {n}" for n in notes]
+    assert bool(notes) == all(c["pp"] == 1 for c in json.loads(data.stdout)["candidates"])
+
+
 # ------------------------------------------------------------------ CLI
 runner = CliRunner()
 
@@ -263,6 +390,11 @@ def test_cli_calibrate_plan_and_suggest(tmp_path):
 
 @pytest.mark.parametrize("args,fragment", [
     (("suggest", "-m", "gqa-7b", "-w", 64, "--fix", "tp=two"), "--fix 'tp=two' is invalid"),
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--fix", "tp=2,tp=4"),
+     "--fix 'tp=2,tp=4' is invalid: tp is pinned twice (tp=2 and tp=4)"),
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--fix", ","), "--fix ',' is invalid: it holds an empty pair"),
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--fix", ""), "--fix '' is invalid: it holds an empty pair"),
+    (("suggest", "-m", "gqa-7b", "-w", 64, "--fix", "tp"), "--fix 'tp' is invalid: 'tp' is not AXIS=SIZE"),
     (("suggest", "-m", "gqa-7b", "-w", 64, "--micro-batch-sizes", "0,2"), "--micro-batch-sizes '0,2' is invalid"),
     (("suggest", "-m", "gqa-7b", "-w", 64, "--virtual-stages", 0), "--virtual-stages 0 is invalid"),
     (("suggest", "-m", "gqa-7b", "-w", 64, "--device", "tpu"), "device='tpu' is invalid"),
@@ -320,6 +452,44 @@ def test_verify_report_keeps_compute_latency_and_node_crossing():
                                                     + sorted(r["busbw_gbps"] for r in report["bandwidth"]
                                                              if r["bytes"] == 262144)[1] / 2)
     assert cluster.inter_node_latency_us == pytest.approx(300.0) and sources["intra_node_gbps"] == "default"
+
+
+def test_compute_probe_size_follows_the_backend():
+    from mindscience.distributed.harness.checks.compute import probe_settings
+
+    cpu = probe_settings("CPU")
+    assert (cpu["size"], cpu["warmup"], cpu["iters"], cpu["min_seconds"]) == (1024, 1, 3, 0.0)  # as before
+    for target in ("Ascend", "GPU"):
+        # 2 * 8192^3 = 1.1 TFLOP a product: milliseconds on an accelerator, so a ~10 us launch is noise.
+        got = probe_settings(target)
+        assert got["size"] == 8192 and got["warmup"] >= 1 and got["iters"] >= 10 and got["min_seconds"] > 0
+    assert probe_settings("Ascend", 4096)["size"] == 4096
+    with pytest.raises(ValueError, match="matmul size 0 is invalid"):
+        probe_settings("GPU", 0)
+
+
+def test_compute_probe_operands_and_timing_loop_without_a_device():
+    import time
+
+    import numpy as np
+
+    from mindscience.distributed.harness.checks import compute
+
+    n = 48
+    a, b = compute._operands(n)
+    i = np.arange(n * n).reshape(n, n)
+    assert (a == (7 * i) % 5 - 2).all() and (b == (3 * i + 1) % 5 - 2).all()  # built without the n^2 indices
+    assert a.dtype == np.float32 and np.abs(a.astype(np.int64) @ b.astype(np.int64)).max() <= 4 * n
+    # The loop runs at least `iters` products, synchronizing before each reading of the clock, and keeps
+    # going until min_seconds have passed.
+    calls, syncs = [], []
+    count, elapsed, out = compute._timed(lambda: calls.append(1) or len(calls), lambda: syncs.append(len(calls)),
+                                         iters=3, min_seconds=0.0)
+    assert (count, len(calls), syncs, out) == (3, 3, [3], 3)
+    calls.clear()
+    count, elapsed, _ = compute._timed(lambda: (calls.append(1), time.sleep(0.002)), lambda: None, iters=2,
+                                       min_seconds=0.05)
+    assert count == len(calls) and count > 2 and elapsed >= 0.05
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 16)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -10,7 +11,7 @@ import typer
 from mindscience.distributed.topology.plan import DEFAULT_HCCL_BUFFSIZE_MB, build_plan, rank_plan
 
 from .. import pictures, render, render_cost, render_schedule
-from ..errors import UsageError, check_format, check_output_folder, user_errors
+from ..errors import UsageError, check_format, check_output_file, user_errors, write_error
 from ..layouts import load_with_sections, resolve_model
 
 
@@ -54,8 +55,9 @@ def apply_cluster(workload, device: Optional[str] = None, device_memory_gb: Opti
         cluster = ClusterSpec(device=device, **kept)
     sources = cluster_sources(cluster, explicit)
     if device_memory_gb is not None:
-        if not device_memory_gb > 0:
-            raise UsageError(f"--device-memory-gb {device_memory_gb} is invalid: expected a number of GiB > 0.")
+        if not 0 < device_memory_gb < math.inf:
+            raise UsageError(f"--device-memory-gb {device_memory_gb} is invalid: expected a finite number of "
+                             "GiB > 0, e.g. 64.")
         cluster = replace(cluster, device_memory_gb=device_memory_gb)
         sources["device_memory_gb"] = "--device-memory-gb"
     if calibrate is not None:
@@ -89,7 +91,7 @@ def _picture(data, spec, extra, buffsize, rank, svg, png, color_by):
             raise UsageError(f"--color-by {color_by} colours a picture: add --svg FILE or --png FILE.")
         return None
     for path, fmt in outputs:
-        check_output_folder(f"--{fmt}", path)
+        check_output_file(f"--{fmt}", path, (f".{fmt}",))
     pictures.require(f"--{outputs[0][1]}")
     whole = data
     if rank is not None:
@@ -98,18 +100,46 @@ def _picture(data, spec, extra, buffsize, rank, svg, png, color_by):
     return whole, outputs, pictures.color_axis(whole, color_by), rank
 
 
-def _pipeline_data(data, spec, schedule, microbatches, virtual_stages) -> None:
-    """The embedding groups (pp > 1) and, with ``--schedule``, the schedule data."""
+def with_virtual_stages(workload, virtual_stages: Optional[int]):
+    """The workload priced with ``--virtual-stages`` (None: as its training section says).
+
+    ``workload`` None (no model) stays None: then the option only shapes ``--schedule``.
+
+    Raises:
+        UsageError: ``virtual_stages < 1``.
+    """
+    from dataclasses import replace
+
+    if virtual_stages is None:
+        return workload
+    if virtual_stages < 1:
+        raise UsageError(f"--virtual-stages {virtual_stages} is invalid: expected at least 1 model chunk per "
+                         "pipeline rank.")
+    if workload is None:
+        return None
+    return replace(workload, training=replace(workload.training, virtual_pipeline_stages=virtual_stages))
+
+
+def _pipeline_data(data, spec, schedule, microbatches, virtual_stages, workload=None) -> None:
+    """The embedding groups (pp > 1) and, with ``--schedule``, the schedule data.
+
+    The schedule's virtual stages: ``--virtual-stages``, else for ``interleaved`` the
+    model's ``training.virtual_pipeline_stages``, so the timeline and the step time
+    describe the same schedule.
+    """
     from mindscience.distributed.pipeline.plan import embedding_groups, schedule_data
     from mindscience.distributed.pipeline.schedules import ScheduleError
 
     if spec.pp > 1:
         data["embedding_groups"] = embedding_groups(spec)
     if schedule is None:
-        if virtual_stages != 1 or microbatches != 8:
+        if microbatches != 8 or (virtual_stages is not None and workload is None):
             raise UsageError("--microbatches and --virtual-stages describe a schedule: add --schedule "
-                             "1f1b, gpipe or interleaved.")
+                             "1f1b, gpipe or interleaved (--virtual-stages also prices a --model's step time).")
         return
+    if virtual_stages is None:
+        chunks = workload.training.virtual_pipeline_stages if workload is not None else 1
+        virtual_stages = chunks if schedule == "interleaved" else 1
     try:
         data["schedule"] = schedule_data(spec.pp, schedule, microbatches, virtual_stages)
     except ScheduleError as err:
@@ -127,14 +157,14 @@ def plan(
     ),
     show_all: bool = typer.Option(False, "--all", help="Print every rank and group, even for large worlds."),
     svg: Optional[str] = typer.Option(
-        None, "--svg", help="Also draw the device grid (and memory per stage, the schedule) as an SVG picture."
+        None, "--svg", help="Also draw the device grid (and memory per stage, the schedule) to FILE.svg."
     ),
-    png: Optional[str] = typer.Option(None, "--png", help="The same picture as --svg, as PNG."),
+    png: Optional[str] = typer.Option(None, "--png", help="The same picture as --svg, to FILE.png."),
     color_by: Optional[str] = typer.Option(
         None, "--color-by", help="Colour the grid's devices by their group on tp, cp, dp or pp "
         "(default: the innermost axis larger than 1)."
     ),
-    svg_table: Optional[str] = typer.Option(None, "--svg-table", help="Also save the terminal tables as SVG."),
+    svg_table: Optional[str] = typer.Option(None, "--svg-table", help="Also save the terminal tables to FILE.svg."),
     hccl_buffsize_mb: Optional[int] = typer.Option(
         None, "--hccl-buffsize", help="HCCL_BUFFSIZE in MB for the memory estimate (default: env or 200)."
     ),
@@ -147,8 +177,10 @@ def plan(
         None, "--schedule", help="Pipeline schedule to show: 1f1b, gpipe or interleaved (per-stage "
         "timeline, bubble, activations in flight; JSON key 'schedule')."),
     microbatches: int = typer.Option(8, "--microbatches", help="Micro-batches per step for --schedule."),
-    virtual_stages: int = typer.Option(
-        1, "--virtual-stages", help="Model chunks per pipeline rank for --schedule interleaved."),
+    virtual_stages: Optional[int] = typer.Option(
+        None, "--virtual-stages", help="Model chunks per pipeline rank: the interleaved schedule --schedule "
+        "interleaved draws and, with a model, the one the step time is priced for (overrides "
+        "training.virtual_pipeline_stages; default: the model's, else 1)."),
     calibrate: Optional[str] = typer.Option(
         None, "--calibrate", help="A `msdist verify --format json` report: take compute TFLOP/s, bandwidths "
         "and latencies from it (what it lacks stays as configured; the output says which came from where).",
@@ -161,7 +193,7 @@ def plan(
             raise UsageError(f"--hccl-buffsize {hccl_buffsize_mb} is invalid: expected a positive number of MB.")
         buffsize = hccl_buffsize(hccl_buffsize_mb)
         spec, path, sections = load_with_sections(layout)
-        workload = workload_for(path, sections, model)
+        workload = with_virtual_stages(workload_for(path, sections, model), virtual_stages)
         extra = _split_keys(groups)
         if rank is not None:
             data = rank_plan(spec, rank, extra, buffsize)
@@ -175,19 +207,25 @@ def plan(
             workload, sources = apply_cluster(workload, calibrate=calibrate)
             data.update(estimate(spec, workload, buffsize))
             data["model"]["cluster_sources"] = sources
-        _pipeline_data(data, spec, schedule, microbatches, virtual_stages)
+        _pipeline_data(data, spec, schedule, microbatches, virtual_stages, workload)
         if svg_table:
-            check_output_folder("--svg-table", svg_table)
+            check_output_file("--svg-table", svg_table, (".svg",))
         picture = _picture(data, spec, extra, buffsize, rank, svg, png, color_by)
     # With --format json the pictures still show the human view; only stdout changes.
     echo = fmt == "rich"
     tables = render_cost.cost_view(data, show_all) if (echo or svg_table) else []
     if echo or svg_table:
         tables += render_schedule.schedule_view(data)
-    if rank is not None:
-        render.render_rank(data, svg_table, echo=echo, extra=tables)
-    else:
-        render.render_plan(data, str(path), show_all, svg_table, echo=echo, extra=tables)
+    with user_errors():
+        try:
+            if rank is not None:
+                render.render_rank(data, svg_table, echo=echo, extra=tables)
+            else:
+                render.render_plan(data, str(path), show_all, svg_table, echo=echo, extra=tables)
+        except OSError as err:  # checked above; a disk can still fill up or a folder vanish
+            if not svg_table:
+                raise
+            raise write_error("--svg-table", svg_table, err) from None
     if picture:
         with user_errors():
             pictures.save_plan(*picture)

@@ -12,21 +12,36 @@ from mindscience.distributed.costmodel.devices import describe_devices
 from mindscience.distributed.topology import BACKENDS, Layout
 
 from .. import render, render_cost
-from ..errors import EXIT_FAILED, UsageError, check_format, check_output_folder, user_errors
+from ..errors import EXIT_FAILED, UsageError, check_format, check_output_file, user_errors, write_error
 from ..layouts import resolve_model
 from .plan import apply_cluster, hccl_buffsize
 
 
 def parse_fix(text: Optional[str]) -> dict:
-    """``"tp=8,cp=1"`` -> ``{"tp": 8, "cp": 1}``."""
-    fix = {}
-    for part in (p.strip() for p in (text or "").split(",") if p.strip()):
-        axis, _, size = part.partition("=")
+    """``"tp=8,cp=1"`` -> ``{"tp": 8, "cp": 1}`` (``{}`` without the option).
+
+    Raises:
+        UsageError: an empty pair (``--fix ,``), a pair that is not AXIS=SIZE, or an axis
+            given twice (``tp=2,tp=4``: which one was meant is unknown).
+    """
+    fix: dict = {}
+    if text is None:
+        return fix
+    for part in (p.strip() for p in text.split(",")):
+        axis, equals, size = part.partition("=")
         axis = axis.strip()
         try:
-            fix[axis] = int(size)
+            if not equals:
+                raise ValueError(part)
+            value = int(size)
         except ValueError:
-            raise UsageError(f"--fix {text!r} is invalid: expected AXIS=SIZE pairs such as tp=8,cp=1.") from None
+            what = f"{part!r} is not AXIS=SIZE" if part else "it holds an empty pair"
+            raise UsageError(f"--fix {text!r} is invalid: {what}; expected AXIS=SIZE pairs joined by commas, "
+                             "e.g. tp=8,cp=1.") from None
+        if axis in fix:
+            raise UsageError(f"--fix {text!r} is invalid: {axis} is pinned twice ({axis}={fix[axis]} and "
+                             f"{axis}={value}); give each axis once, e.g. --fix {axis}={value}.")
+        fix[axis] = value
     return fix
 
 
@@ -115,7 +130,7 @@ def suggest(
         if backend not in BACKENDS:
             raise UsageError(f"--backend {backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
         if write:
-            check_output_folder("--write", write)
+            check_output_file("--write", write)
         if virtual_stages is not None and virtual_stages < 1:
             raise UsageError(f"--virtual-stages {virtual_stages} is invalid: expected at least 1.")
         pinned, sizes = parse_fix(fix), parse_sizes(micro_batch_sizes)
@@ -129,10 +144,16 @@ def suggest(
         render.print_json(result)
     else:
         render_cost.render_suggest(result, workload.model.name)
+    for note in result["notes"]:  # on stderr in both formats: stdout may hold only JSON
+        sys.stderr.write(f"msdist: note: {note}\n")
     if not result["candidates"]:
         render_cost.warn_nothing_fits(render_cost.nothing_fits_message(result))
         raise typer.Exit(EXIT_FAILED)
     if write:
-        with open(write, "w", encoding="utf-8") as fh:
-            fh.write(_best_layout(result, workload, backend))
+        with user_errors():
+            try:
+                with open(write, "w", encoding="utf-8") as fh:
+                    fh.write(_best_layout(result, workload, backend))
+            except OSError as err:
+                raise write_error("--write", write, err) from None
         sys.stderr.write(f"msdist: wrote the best layout to {write} (msdist plan {write})\n")

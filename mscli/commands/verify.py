@@ -204,7 +204,7 @@ def verify(
             raise UsageError(f"--output {output}: its folder does not exist. Create it or pick another path.")
         if plot:
             pictures.check_plot(plot)
-        saved = pictures.load_report(from_report) if from_report else None
+        saved = vr.load_report(from_report) if from_report else None
         spec_layout, _ = load(layout)
         kinds = vr.parse_checks(checks)
         sizes = [QUICK_SIZE] if quick else vr.size_sweep(vr.parse_bytes(min_bytes), vr.parse_bytes(max_bytes), factor)

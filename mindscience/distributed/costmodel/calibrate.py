@@ -33,12 +33,13 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from statistics import median
 
 from .devices import PRESET_KEYS
-from .errors import ModelFileError
+from .errors import ModelError, ModelFileError
 from .spec import ClusterSpec
 
 SOURCE_KEYS = (*PRESET_KEYS, "compute_efficiency")
@@ -84,6 +85,65 @@ def read_report(path: str | os.PathLike) -> dict:
     return report
 
 
+REPORT_HINT = "pass the JSON report `msdist verify --format json -o report.json` wrote"
+ROW_KEYS = "op, group, bytes, busbw_gbps, latency_us, crosses_nodes"
+_MISSING = object()  # a key absent from the report (None is a value)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_report(report, source: str) -> None:
+    """Check the parts of a verify report :func:`calibrate` reads; the first bad field raises.
+
+    ``compute`` (optional) must be an object whose ``tflops`` is a finite number > 0;
+    ``bandwidth`` (optional) a list of objects with ``op`` and ``group`` (strings),
+    ``bytes`` (an integer > 0), ``busbw_gbps`` (a finite number >= 0) and optionally
+    ``latency_us`` (a finite number >= 0) and ``crosses_nodes`` (true or false).
+
+    Raises:
+        ModelFileError: naming ``source`` and the field, e.g. ``bandwidth[0].busbw_gbps``.
+    """
+    def bad(field: str, value, expected: str):
+        shown = "missing" if value is _MISSING else f"{value!r} ({type(value).__name__})"
+        raise ModelFileError(f"{source}: {field} is {shown}: expected {expected}; {REPORT_HINT}.", source, field)
+
+    if not isinstance(report, dict):
+        bad("the report", report, "a JSON object with 'compute' and/or 'bandwidth'")
+    compute = report.get("compute")
+    if compute is not None:
+        if not isinstance(compute, dict):
+            bad("compute", compute, "an object {tflops, dtype, shape}")
+        tflops = compute.get("tflops", _MISSING)
+        if not _finite(tflops) or tflops <= 0:
+            bad("compute.tflops", tflops, "the measured matmul rate, a finite number of TFLOP/s > 0")
+    rows = report.get("bandwidth")
+    if rows is None:
+        return
+    if not isinstance(rows, list):
+        bad("bandwidth", rows, f"a list of rows {{{ROW_KEYS}}}")
+    for i, row in enumerate(rows):
+        where = f"bandwidth[{i}]"
+        if not isinstance(row, dict):
+            bad(where, row, f"an object {{{ROW_KEYS}}}")
+        for key in ("op", "group"):
+            if not isinstance(row.get(key, _MISSING), str):
+                bad(f"{where}.{key}", row.get(key, _MISSING), "a string (an op such as all_reduce, a group such as tp)")
+        size = row.get("bytes", _MISSING)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            bad(f"{where}.bytes", size, "the message size, an integer number of bytes > 0")
+        busbw = row.get("busbw_gbps", _MISSING)
+        if not _finite(busbw) or busbw < 0:
+            bad(f"{where}.busbw_gbps", busbw, "a bus bandwidth, a finite number of GB/s >= 0")
+        latency = row.get("latency_us")
+        if latency is not None and (not _finite(latency) or latency < 0):
+            bad(f"{where}.latency_us", latency, "the smallest size's time, a finite number of microseconds >= 0")
+        crosses = row.get("crosses_nodes")
+        if crosses is not None and not isinstance(crosses, bool):
+            bad(f"{where}.crosses_nodes", crosses, "true or false")
+
+
 def _largest_rows(rows: list[dict]) -> list[dict]:
     largest: dict[tuple, dict] = {}
     for row in rows:
@@ -106,12 +166,16 @@ def calibrate(cluster: ClusterSpec, report: dict, source: str,
 
     Returns:
         ``(calibrated ClusterSpec, {key: source})``.
+
+    Raises:
+        ModelFileError: a malformed report (:func:`check_report`), naming ``source``.
     """
+    check_report(report, source)
     sources = dict(sources or cluster_sources(cluster))
     values = {}
     compute = report.get("compute") or {}
     tflops = compute.get("tflops")
-    if isinstance(tflops, (int, float)) and tflops > 0:
+    if tflops is not None:
         what = f"{source}: compute.matmul {tflops:.4g} TFLOP/s ({compute.get('dtype', '?')})"
         if tflops <= cluster.peak_tflops:
             values["compute_efficiency"] = tflops / cluster.peak_tflops
@@ -132,4 +196,7 @@ def calibrate(cluster: ClusterSpec, report: dict, source: str,
         if latencies:
             values[f"{where}_node_latency_us"] = median(latencies)
             sources[f"{where}_node_latency_us"] = f"{source}: median latency of {len(latencies)} {label}"
-    return replace(cluster, **values), sources
+    try:
+        return replace(cluster, **values), sources
+    except ModelError as err:  # a measured value the cluster cannot take: say where it came from
+        raise ModelFileError(f"{source}: {err}", source) from None

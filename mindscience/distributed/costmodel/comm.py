@@ -121,7 +121,7 @@ def timed(rows: list[dict], crossing: dict, cluster: ClusterSpec) -> dict:
         per_step.append({**row, "crosses_nodes": crosses, "est_time_s": seconds})
         by_group[row["group"]] = by_group.get(row["group"], 0.0) + seconds
     bottleneck = max(by_group, key=by_group.get) if by_group else None
-    return {"per_step": per_step, "est_time_s": sum(by_group.values()), "bottleneck": bottleneck}
+    return {"per_step": per_step, "est_time_s": sum(by_group.values(), 0.0), "bottleneck": bottleneck}
 
 
 def crossing_flags(layout) -> dict:

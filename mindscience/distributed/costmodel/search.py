@@ -125,6 +125,35 @@ def _closest(workload: Workload, best: dict, sizes: tuple, buffers: int) -> dict
         "peak_stage": stage["stage"], "over_bytes": stage["total_bytes"] - device, "why": why, "hints": hints}
 
 
+def interleaving_note(num_layers: int, v: int, world_size: int, fix: dict, rejected: dict) -> str:
+    """Why a search with ``v`` virtual stages ranked no pipeline (pp > 1), and which v would work.
+
+    ``rejected`` counts the reasons the pp > 1 sizes were dropped.
+
+        >>> interleaving_note(16, 3, 64, {}, {"num_layers % (pp*virtual_pipeline_stages)": 12})
+        ... # doctest: +NORMALIZE_WHITESPACE
+        'virtual stages v=3: no layout with pp > 1 was priced (num_layers % (pp*virtual_pipeline_stages): 12
+        sizes), so only pp=1 layouts, which have no pipeline to interleave, are ranked. num_layers=16 %
+        (pp*v) == 0 holds for v = 2, 4, 8 with a pp > 1 of 64 devices.'
+    """
+    def sizes(n: int) -> str:
+        return f"{n} size{'s' if n > 1 else ''}"
+
+    interleaving = {r: n for r, n in rejected.items() if "virtual_pipeline_stages" in r or "(interleaved)" in r}
+    why = [f"{reason}: {sizes(n)}" for reason, n in sorted(interleaving.items(), key=lambda kv: -kv[1])]
+    others = sum(rejected.values()) - sum(interleaving.values())
+    if others:
+        why.append(f"{sizes(others)} for other constraints or memory")
+    depths = [p for p in range(2, world_size + 1) if world_size % p == 0 and fix.get("pp", p) == p]
+    good = sorted({w for p in depths if num_layers % p == 0 for w in range(2, num_layers // p + 1)
+                   if num_layers % (p * w) == 0})
+    hint = (f" num_layers={num_layers} % (pp*v) == 0 holds for v = {', '.join(map(str, good[:6]))} with a pp > 1 "
+            f"of {world_size} devices." if good else
+            f" No v > 1 divides num_layers={num_layers} into equal chunks for a pp > 1 of {world_size} devices.")
+    return (f"virtual stages v={v}: no layout with pp > 1 was priced ({', '.join(why)}), so only pp=1 "
+            "layouts, which have no pipeline to interleave, are ranked." + hint)
+
+
 def _price(model, training, cluster, sizes: tuple, orders: list) -> tuple:
     """The fastest ``(order, comm, flags, timing)`` of one size and training over ``orders``.
 
@@ -167,8 +196,9 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
         "step_time_s", "breakdown", "tokens_per_s", "mfu", "est_time_s" (communication),
         "bottleneck", "cross_node": {"tp", "cp"}, "pipeline_bubble", "virtual_stages"},
         ...], "valid": count before ``top``, "rejected": {reason: count}, "closest": None
-        or the lowest-memory size that breaks no constraint, with "why" and "hints"}``.
-        Candidates are best first.
+        or the lowest-memory size that breaks no constraint, with "why" and "hints",
+        "notes": [lines worth telling the user, e.g. that virtual stages ruled out every
+        pipeline]}``. Candidates are best first.
 
     Raises:
         ModelError: no model, bad ``fix`` or micro-batch sizes. LayoutError: a bad world
@@ -196,6 +226,7 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
     trainings = [replace(training, micro_batch_size=b, global_batch_size=gbs) for b in sizes_b]
     device = cluster.device_memory_bytes
     candidates, rejected, lowest = [], {}, None
+    pipeline_rejected = {}  # reasons the pp > 1 sizes were dropped, for the interleaving note
     for tp, cp, pp, dp in size_choices(world_size, fix):
         sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
         layout = Layout(world_size=world_size, tp=tp, cp=cp, pp=pp, devices_per_node=devices_per_node)
@@ -231,9 +262,15 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
                         "virtual_stages": timing["virtual_stages"], "microbatches": timing["microbatches"]}
         if best is None:
             rejected[reason] = rejected.get(reason, 0) + 1
+            if pp > 1:
+                pipeline_rejected[reason] = pipeline_rejected.get(reason, 0) + 1
         else:
             candidates.append(best)
     candidates.sort(key=lambda c: (c["step_time_s"], c["peak_bytes"], c["pp"], c["cp"], c["tp"]))
+    notes = []
+    if training.virtual_pipeline_stages > 1 and candidates and all(c["pp"] == 1 for c in candidates):
+        notes.append(interleaving_note(model.num_layers, training.virtual_pipeline_stages, world_size, fix,
+                                       pipeline_rejected))
     closest = None
     if not candidates and lowest is not None:
         best, sizes, buffers, train = lowest
@@ -248,4 +285,5 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
         "valid": len(candidates),
         "rejected": rejected,
         "closest": closest,
+        "notes": notes,
     }

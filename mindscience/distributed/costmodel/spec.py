@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -65,9 +66,25 @@ def _positive_int(name: str, value, minimum: int = 1) -> None:
         )
 
 
+# What each number means and a typical value, for the error of a bad one.
+NUMBER_HINTS = {
+    "device_memory_gb": "GiB of memory per device, e.g. 64",
+    "intra_node_gbps": "GB/s per device between devices of one node, e.g. 90",
+    "inter_node_gbps": "GB/s per device between nodes, e.g. 25",
+    "intra_node_latency_us": "microseconds of one small collective inside a node, e.g. 10",
+    "inter_node_latency_us": "microseconds of one small collective across nodes, e.g. 20",
+    "peak_tflops": "dense bf16/fp16 TFLOP/s per device, e.g. 300",
+    "compute_efficiency": "a fraction of the peak in (0, 1], e.g. 0.5",
+}
+
+
 def _positive_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ModelError(f"{name}={value!r} is invalid: expected a number > 0. Set {name} to e.g. 64.")
+    # math.isfinite: YAML's `.inf` / `.nan` are floats, and an infinite peak or bandwidth
+    # would price every layout at zero seconds.
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            or not math.isfinite(value)):
+        hint = NUMBER_HINTS.get(name, "a positive number")
+        raise ModelError(f"{name}={value!r} is invalid: expected a finite number > 0. Set {name} to {hint}.")
 
 
 def _choice(name: str, value, choices) -> None:

@@ -105,7 +105,8 @@ def _link(cluster: ClusterSpec, crosses: bool) -> tuple[float, float]:
 def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, crosses: bool) -> float:
     """Alpha-beta time of a group's rows from :func:`~.comm.traffic`: ``calls * latency + bytes / bandwidth``."""
     bandwidth, latency = _link(cluster, crosses)
-    return sum(r["count"] * latency + r["bytes"] / bandwidth for r in rows if r["group"] == group)
+    # Start at 0.0: a group without rows (size 1) is 0.0 s, a float like every other term.
+    return sum((r["count"] * latency + r["bytes"] / bandwidth for r in rows if r["group"] == group), 0.0)
 
 
 def pipeline_slots(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
@@ -153,6 +154,7 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
     hidden = flops["backward"] / rate if training.overlap_grad_reduce else 0.0
     dp_s = max(0.0, dp_reduce - hidden)
     breakdown = {"compute_s": compute, "bubble_s": bubble, "tp_s": tp_s, "cp_s": cp_s, "pp_s": pp_s, "dp_s": dp_s}
+    breakdown = {key: float(value) for key, value in breakdown.items()}  # JSON readers get 0.0, never 0
     total = sum(breakdown.values())
     samples = m * training.micro_batch_size * dp
     model_flops = samples * model_flops_per_sample(model)
