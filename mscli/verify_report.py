@@ -158,8 +158,9 @@ def build_spec(
 def parallel_layer_checks(layout: Layout, dtype: str, modes) -> list:
     """The vocabulary-parallel embedding and cross-entropy and the RNG tracker on the tp
     group (tp > 1); the three context-parallel attentions on the cp group (cp > 1): each
-    method causal, GQA, uneven and the zigzag ring in PyNative, the ring compiled (the
-    test suite runs the whole matrix; this is the layout's health check)."""
+    method causal, GQA, uneven in the run's dtype and in each of its modes (compiled as one
+    graph per mode), and the zigzag ring in PyNative (the test suite runs the whole matrix;
+    this is the layout's health check)."""
     checks = []
     compiled = [m for m in modes if m != "pynative"]
     if layout.tp > 1:
@@ -171,10 +172,12 @@ def parallel_layer_checks(layout: Layout, dtype: str, modes) -> list:
         ]
     if layout.cp > 1:
         if "pynative" in modes:
-            checks.append({"name": "attention.methods", "params": {"cases": "verify"}})
+            checks.append({"name": "attention.methods", "params": {"cases": "verify",
+                                                                   "dtypes": [dtype]}})
         if compiled:
             checks.append({"name": "attention.methods", "params": {"modes": compiled,
-                                                                   "cases": "verify_compiled"}})
+                                                                   "cases": "verify_compiled",
+                                                                   "dtypes": [dtype]}})
         checks.append({"name": "attention.errors", "params": {}})
     return checks
 
@@ -352,3 +355,92 @@ def summary_rows(correctness: list[dict]) -> list[dict]:
         if err is not None and (s["max_error"] is None or err > s["max_error"]):
             s["max_error"] = err
     return list(out.values())
+
+
+# ------------------------------------------------------------------ a saved report (--from-report)
+_NUMBER, _INTEGER, _BOOL, _TEXT = "a number", "an integer", "true or false", "a string"
+_LIST, _OBJECT = "a list", "an object"
+# What the human view and --plot read of a report: key -> expected kind. Rows of the lists
+# are objects with the keys of REPORT_ROWS; optional sections are checked when present.
+REPORT_KEYS = {"ok": _BOOL, "layout": _OBJECT, "ranks": _INTEGER, "correctness": _LIST, "bandwidth": _LIST,
+               "failures": _LIST}
+REPORT_LAYOUT = {"tp": _INTEGER, "cp": _INTEGER, "dp": _INTEGER, "pp": _INTEGER, "order": _TEXT, "backend": _TEXT}
+REPORT_ROWS = {
+    "correctness": {"check": _TEXT, "group": _TEXT, "passed": _BOOL},
+    "bandwidth": {"op": _TEXT, "group": _TEXT, "group_size": _INTEGER, "bytes": _INTEGER, "dtype": _TEXT,
+                  "time_us": _NUMBER, "algbw_gbps": _NUMBER, "busbw_gbps": _NUMBER, "wrong": _INTEGER,
+                  "composed": _BOOL},
+    "failures": {"rank": _INTEGER, "reason": _TEXT},
+    "summary": {"family": _TEXT, "mode": _TEXT, "passed": _INTEGER, "failed": _INTEGER},
+    "busbw_misses": {"op": _TEXT, "group": _TEXT, "bytes": _INTEGER, "busbw_gbps": _NUMBER},
+}
+REPORT_OPTIONAL = {"compute": {"tflops": _NUMBER, "dtype": _TEXT, "shape": _LIST},
+                   "sendrecv_slowest": {"group": _TEXT, "bytes": _INTEGER, "busbw_gbps": _NUMBER}}
+
+
+def _is(value, kind: str) -> bool:
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # JSON true is not a number here
+        return False
+    return isinstance(value, {_NUMBER: (int, float), _INTEGER: int, _TEXT: str, _LIST: list, _OBJECT: dict}[kind])
+
+
+def check_report(report, source: str) -> None:
+    """Check that ``report`` holds what ``msdist verify`` prints and plots of a report.
+
+    Raises:
+        ValueError: one line naming ``source`` and the first missing or mistyped key
+            (``failures``, ``layout.tp``, ``bandwidth[3].busbw_gbps``).
+    """
+    wrote = "the JSON `msdist verify --output FILE` wrote"
+    if not isinstance(report, dict) or not set(REPORT_KEYS) & set(report):
+        raise ValueError(f"{source}: not a msdist verify report: expected {wrote}, with keys "
+                         f"{', '.join(REPORT_KEYS)}.")
+
+    def need(mapping: dict, schema: dict, where: str) -> None:
+        for key, kind in schema.items():
+            name = f"{where}{key}"
+            if key not in mapping:
+                raise ValueError(f"{source}: key {name!r} is missing: expected {kind}; pass {wrote} "
+                                 f"(a report needs {', '.join(schema)}{' in ' + where[:-1] if where else ''}).")
+            if not _is(mapping[key], kind):
+                raise ValueError(f"{source}: key {name!r} is {mapping[key]!r}: expected {kind}; pass {wrote}.")
+
+    need(report, REPORT_KEYS, "")
+    need(report["layout"], REPORT_LAYOUT, "layout.")
+    for section, schema in REPORT_ROWS.items():
+        rows = report.get(section)
+        if rows is None and section not in REPORT_KEYS:
+            continue
+        if not isinstance(rows, list):
+            raise ValueError(f"{source}: key {section!r} is {rows!r}: expected {_LIST}; pass {wrote}.")
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"{source}: key '{section}[{i}]' is {row!r}: expected {_OBJECT}; pass {wrote}.")
+            need(row, schema, f"{section}[{i}].")
+    for section, schema in REPORT_OPTIONAL.items():
+        value = report.get(section)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ValueError(f"{source}: key {section!r} is {value!r}: expected {_OBJECT}; pass {wrote}.")
+        need(value, schema, f"{section}.")
+
+
+def load_report(path: str) -> dict:
+    """A verify report saved with ``--output`` (JSON), checked by :func:`check_report`.
+
+    Raises:
+        ValueError: an unreadable file, not JSON, or a report the human view or
+            ``--plot`` could not show (one line naming the key).
+    """
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            report = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--from-report {path}: cannot read it as JSON ({err}).") from None
+    check_report(report, f"--from-report {path}")
+    return report

@@ -68,15 +68,17 @@ SPEC = {
         {"name": "examples.attention_tp", "params": _TP2_CP2},
         {"name": "examples.attention_ulysses", "params": _TP2_CP2},
         {"name": "examples.attention_cp_allgather", "params": _TP2_CP2},
-        # context-parallel attention compiled (cp = 2) and the tp x cp layer (issue 17)
-        {"name": "attention.methods", "params": {**_TP2_CP2, "modes": ["jit"], "cases": "compiled"}},
-        {"name": "attention.methods", "params": {**_TP2_CP2, "modes": ["graph"], "cases": "ring"}},
+        # the tp x cp attention layer (issue 17)
         {"name": "attention.layer", "params": _TP2_CP2},
         # uneven sequence: S = 1,003 over cp = 4 (split_sizes [251, 251, 251, 250])
         {"name": "examples.attention_ulysses", "params": UNEVEN_ATTENTION},
         {"name": "examples.attention_cp_allgather", "params": UNEVEN_ATTENTION},
-        # every context-parallel method on cp = 4, PyNative (issue 17)
+        # every context-parallel method on cp = 4 (issue 17): the whole matrix in PyNative,
+        # each method in each compiled mode (both sets together cover every value of causal,
+        # GQA, split and dtype per method; one graph per mode)
         {"name": "attention.methods", "params": {**_CP4, "cases": "suite"}},
+        {"name": "attention.methods", "params": {**_CP4, "modes": ["jit"], "cases": "jit"}},
+        {"name": "attention.methods", "params": {**_CP4, "modes": ["graph"], "cases": "graph"}},
         {"name": "attention.errors", "params": _CP4},
     ]
 }

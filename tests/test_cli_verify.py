@@ -69,7 +69,8 @@ def test_default_runs_four_cpu_ranks_with_all_checks(fake):
     by_name = {c["name"]: c["params"] for c in call["spec"]["checks"]}
     assert by_name["vocab.embedding"]["modes"] == ["pynative", "jit"]
     assert [c["params"] for c in call["spec"]["checks"] if c["name"] == "attention.methods"] == [
-        {"cases": "verify"}, {"modes": ["jit"], "cases": "verify_compiled"}]
+        {"cases": "verify", "dtypes": ["float32"]},
+        {"modes": ["jit"], "cases": "verify_compiled", "dtypes": ["float32"]}]
     even, uneven = call["spec"]["checks"][1]["params"], call["spec"]["checks"][2]["params"]
     assert even["groups"] == ["tp", "cp", "dp-cp"]
     assert even["modes"] == ["pynative", "jit"] and "split_sizes" not in even

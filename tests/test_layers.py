@@ -449,35 +449,53 @@ def test_4ranks_rng_tracker(job):
     assert losses and all(a == b and len(a) == 3 for a, b in losses)
 
 
+METHODS = {"ring", "ulysses", "allgather_kv"}
+
+
 @pytest.mark.multiprocess
 def test_4ranks_context_parallel_attention_every_method(job):
-    """cp=4, PyNative: ring, ulysses and allgather_kv, causal and not, even and uneven
-    (GQA), and the zigzag ring: output and q/k/v gradients within 1e-5 of dense attention."""
-    records = [r for r in _assert_all_passed(job, "attention.methods", 14 + 3 + 2)]
+    """cp=4, PyNative: ring, ulysses and allgather_kv x causal x GQA x even/uneven, and the
+    zigzag ring with and without GQA (float32, within 1e-5 of dense attention: output and
+    q/k/v gradients); one custom softmax_scale per method; each method causal GQA uneven in
+    bfloat16 (within 2e-2)."""
+    # 26 eager float32 + 3 eager bfloat16, 7 under ms.jit, 6 in GRAPH_MODE
+    records = _assert_all_passed(job, "attention.methods", 26 + 3 + 7 + 6)
     eager = [r for r in records if r["mode"] == "pynative"]
-    assert len(eager) == 14 * _layers_job.WORLD_SIZE
-    assert {(r["method"], r["causal"], r["split"]) for r in eager} >= {
-        (m, c, s) for m in ("ring", "ulysses", "allgather_kv") for c in (False, True)
+    assert len(eager) == 29 * _layers_job.WORLD_SIZE
+    fp32 = [r for r in eager if r["dtype"] == "float32"]
+    assert {(r["method"], r["causal"], r["gqa"], r["split"]) for r in fp32} >= {
+        (m, c, g, s) for m in METHODS for c in (False, True) for g in (False, True)
         for s in ("even", "uneven")}
-    assert {r["gqa"] for r in eager if r["split"] == "zigzag"} == {False, True}
-    assert max(r["max_error"] for r in eager) <= 1e-5
+    assert {r["gqa"] for r in fp32 if r["split"] == "zigzag"} == {False, True}
+    assert {r["method"] for r in fp32 if r["softmax_scale"] is not None} == METHODS
+    assert max(r["max_error"] for r in fp32) <= 1e-5
+    assert {r["method"] for r in eager if r["dtype"] == "bfloat16"} == METHODS
+    assert max(r["max_error"] for r in eager if r["dtype"] == "bfloat16") <= 2e-2
     assert {"output", "grad q", "grad k", "grad v"} == set(eager[0]["errors"])
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode,cases", [("jit", 3), ("graph", 2)])
+@pytest.mark.parametrize("mode,cases", [("jit", 7), ("graph", 6)])
 def test_4ranks_context_parallel_attention_compiled(job, mode, cases):
-    """cp=2 (tp2 x cp2 subgroups), each mode's cases in ONE compiled graph: ms.jit runs every
-    method causal GQA uneven; GRAPH_MODE the zigzag ring (GQA) and a bfloat16 ring."""
+    """cp=4, each mode's cases in ONE compiled graph. Per method, ms.jit runs non-causal MHA
+    even and causal GQA uneven (plus the zigzag ring in bfloat16), GRAPH_MODE non-causal GQA
+    uneven and causal MHA even in bfloat16: every method meets causal and not, MHA and GQA,
+    even and uneven, float32 and bfloat16 in each compiled mode's pair of cases."""
     records = [r for r in _layers_job.records_of(job, "attention.methods") if r["mode"] == mode]
     assert len(records) == cases * _layers_job.WORLD_SIZE
     assert all(r["passed"] for r in records), [r for r in records if not r["passed"]][:2]
-    want = {"ring", "ulysses", "allgather_kv"} if mode == "jit" else {"ring"}
-    assert {r["method"] for r in records} == want
+    assert all(r["compiled_with"] == cases for r in records)
+    for method in METHODS:
+        mine = [r for r in records if r["method"] == method and r["split"] != "zigzag"]
+        assert {r["causal"] for r in mine} == {False, True}
+        assert {r["gqa"] for r in mine} == {False, True}
+        assert {r["split"] for r in mine} == {"even", "uneven"}
     assert max(r["max_error"] for r in records if r["dtype"] == "float32") <= 1e-5
     assert all(r["max_error"] <= 2e-2 for r in records if r["dtype"] == "bfloat16")
-    if mode == "graph":
-        assert {r["split"] for r in records} == {"zigzag", "even"}
+    if mode == "jit":
+        assert {r["dtype"] for r in records if r["split"] == "zigzag"} == {"bfloat16"}
+    else:
+        assert {r["method"] for r in records if r["dtype"] == "bfloat16"} == METHODS
 
 
 @pytest.mark.multiprocess

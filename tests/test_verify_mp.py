@@ -67,6 +67,10 @@ def test_default_layout_passes(tmp_path):
     uneven = {(c, m) for c, g, m, split in rows if split == "uneven" and c.startswith("mapping.")}
     assert len(uneven) == 6 * 2
     assert {mode for check, _, mode, _split in rows if check.startswith("layers.")} >= {"pynative", "jit"}
+    # The three context-parallel attentions (causal GQA uneven) in both modes, the zigzag ring eagerly.
+    for mode in ("pynative", "jit"):
+        assert rows[("attention.methods", "cp", mode, "uneven")]["passed"]
+    assert rows[("attention.methods", "cp", "pynative", "zigzag")]["passed"]
     assert all(r["passed"] for r in report["correctness"])
     bandwidth = report["bandwidth"]
     assert {r["op"] for r in bandwidth} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}

@@ -70,12 +70,12 @@ def local_rows(group, split, S):
 
 class _AttnCase:
     def __init__(self, group, method="ring", causal=False, gqa=False, split="even", dtype="float32",
-                 seq_len=None, batch=2, heads=4, head_dim=8, seed=0):
+                 softmax_scale=None, seq_len=None, batch=2, heads=4, head_dim=8, seed=0):
         import mindspore as ms
 
         n = group.size
         self.group, self.method, self.causal, self.gqa = group, method, causal, gqa
-        self.split, self.dtype = split, dtype
+        self.split, self.dtype, self.scale = split, dtype, softmax_scale
         S = seq_len or (4 * n if split != "uneven" else 4 * n + 3)
         nkv = heads // 2 if gqa else heads
         if method == "ulysses":  # whole heads per rank: N and N_kv multiples of cp
@@ -87,13 +87,14 @@ class _AttnCase:
         if dtype != "float32":  # the reference sees the rounded inputs
             self.full[:3] = [ms.Tensor(a).astype(ms.bfloat16).float().asnumpy() for a in self.full[:3]]
         self.rows, self.sizes = local_rows(group, split, S)
-        self.ref = [a[self.rows] for a in dense_attention(*self.full, causal)]
+        self.ref = [a[self.rows] for a in dense_attention(*self.full, causal, softmax_scale)]
         q, k, v, cot = (a[self.rows] for a in self.full)
         self.shapes = (q.shape, k.shape, v.shape)
         self.x = ms.Tensor(np.concatenate([q.ravel(), k.ravel(), v.ravel()]))
         self.cot = ms.Tensor(cot)
         self.desc = (f"cp={n} {method} causal={causal} gqa={gqa} split={split} "
-                     f"N={heads}/{nkv} S={S} {dtype}")
+                     f"N={heads}/{nkv} S={S} {dtype}"
+                     + (f" scale={softmax_scale}" if softmax_scale is not None else ""))
 
     def loss(self):
         import mindspore as ms
@@ -101,7 +102,7 @@ class _AttnCase:
 
         from mindscience.distributed.modules import context_parallel_attention
 
-        group, method, causal, cot = self.group, self.method, self.causal, self.cot
+        group, method, causal, cot, scale = self.group, self.method, self.causal, self.cot, self.scale
         sizes, lb = self.sizes, self.split == "zigzag"
         (qs, ks, vs), dt = self.shapes, getattr(ms, self.dtype)
         nq, nk = int(np.prod(qs)), int(np.prod(ks))
@@ -115,7 +116,7 @@ class _AttnCase:
             k = part(x, nq, nk, ks)
             v = part(x, nq + nk, nk, vs)
             out = context_parallel_attention(q, k, v, group, method=method, causal=causal,
-                                             split_sizes=sizes, load_balance=lb)
+                                             softmax_scale=scale, split_sizes=sizes, load_balance=lb)
             out = out.astype(ms.float32)
             return (out * cot).sum(), out
 
@@ -133,7 +134,7 @@ class _AttnCase:
         tol = TOL.get(self.dtype, 2e-2)
         return {"check": "attention.methods", "group": "cp", "case": self.desc, "mode": mode,
                 "method": self.method, "causal": self.causal, "gqa": self.gqa,
-                "split": self.split, "dtype": self.dtype, "passed": bool(max_error <= tol),
+                "split": self.split, "dtype": self.dtype, "softmax_scale": self.scale, "passed": bool(max_error <= tol),
                 "max_error": max_error, "atol": tol, "errors": errors,
                 "error": "scaled by max(1, max |dense|)" if scaled else "absolute"}
 
@@ -150,22 +151,43 @@ def default_cases(methods=("ring", "ulysses", "allgather_kv"), dtypes=("float32"
     return cases
 
 
+METHODS = ("ring", "ulysses", "allgather_kv")
+# A softmax_scale other than 1/sqrt(D) = 0.354 (head_dim 8), on one case per method.
+CUSTOM_SCALE = 0.3
+
+
 def suite_cases() -> list:
-    """The test suite's PyNative set: every method x causal x split, with GQA on the uneven
-    splits (MHA is GQA with one query head per group, the same code), plus the zigzag ring
-    with and without GQA, plus one uneven MHA case per method."""
-    cases = []
-    for method, causal, split in itertools.product(("ring", "ulysses", "allgather_kv"),
-                                                   (False, True), ("even", "uneven")):
-        cases.append(dict(method=method, causal=causal, gqa=split == "uneven", split=split))
-    cases += [dict(method="ring", causal=True, gqa=g, split="zigzag") for g in (False, True)]
+    """The test suite's PyNative set: the whole matrix (every method x causal x GQA x even /
+    uneven, plus the zigzag ring with and without GQA) in float32, one case per method with
+    a custom ``softmax_scale`` (non-causal MHA uneven), and each method causal GQA uneven in
+    bfloat16."""
+    cases = default_cases(METHODS)
+    for case in cases:
+        if not case["causal"] and not case["gqa"] and case["split"] == "uneven":
+            case["softmax_scale"] = CUSTOM_SCALE
+    cases += [dict(method=m, causal=True, gqa=True, split="uneven", dtype="bfloat16") for m in METHODS]
     return cases
 
 
+def jit_cases() -> list:
+    """The suite's ``ms.jit`` set (one graph): each method non-causal MHA even and causal GQA
+    uneven, and the zigzag ring (GQA) in bfloat16. With :func:`graph_cases` every method
+    meets each value of causal, GQA, split and dtype in a compiled mode."""
+    cases = [dict(method=m, causal=c, gqa=g, split=sp) for m in METHODS
+             for c, g, sp in ((False, False, "even"), (True, True, "uneven"))]
+    return cases + [dict(method="ring", causal=True, gqa=True, split="zigzag", dtype="bfloat16")]
+
+
+def graph_cases() -> list:
+    """The suite's GRAPH_MODE set (one graph): each method non-causal GQA uneven in float32
+    and causal MHA even in bfloat16."""
+    return [dict(method=m, causal=c, gqa=g, split=sp, dtype=dt) for m in METHODS
+            for c, g, sp, dt in ((False, True, "uneven", "float32"), (True, False, "even", "bfloat16"))]
+
+
 def compiled_cases() -> list:
-    """The compiled set: each method causal, GQA, uneven (one graph)."""
-    return [dict(method=m, causal=True, gqa=True, split="uneven")
-            for m in ("ring", "ulysses", "allgather_kv")]
+    """Each method causal, GQA, uneven (one graph)."""
+    return [dict(method=m, causal=True, gqa=True, split="uneven") for m in METHODS]
 
 
 def ring_cases() -> list:
@@ -174,18 +196,20 @@ def ring_cases() -> list:
             dict(method="ring", causal=False, gqa=False, split="even", dtype="bfloat16")]
 
 
-def verify_cases() -> list:
-    """What ``msdist verify`` runs eagerly: each method causal, GQA, uneven; the zigzag ring."""
-    return compiled_cases() + [dict(method="ring", causal=True, gqa=True, split="zigzag")]
+def verify_cases(dtype: str = "float32") -> list:
+    """What ``msdist verify`` runs in each of its modes: each method causal, GQA, uneven in
+    the run's dtype; eagerly also the zigzag ring."""
+    return [dict(method=m, causal=True, gqa=True, split="uneven", dtype=dtype) for m in METHODS]
 
 
-def verify_compiled_cases() -> list:
-    """What ``msdist verify`` compiles: the ring (its own backward) causal, GQA, uneven."""
-    return [dict(method="ring", causal=True, gqa=True, split="uneven")]
+def verify_eager_cases(dtype: str = "float32") -> list:
+    """:func:`verify_cases` plus the zigzag ring (PyNative)."""
+    return verify_cases(dtype) + [dict(method="ring", causal=True, gqa=True, split="zigzag", dtype=dtype)]
 
 
-CASE_SETS = {"all": default_cases, "suite": suite_cases, "compiled": compiled_cases,
-             "ring": ring_cases, "verify": verify_cases, "verify_compiled": verify_compiled_cases}
+CASE_SETS = {"all": default_cases, "suite": suite_cases, "jit": jit_cases, "graph": graph_cases,
+             "compiled": compiled_cases, "ring": ring_cases, "verify": verify_eager_cases,
+             "verify_compiled": verify_cases}
 
 
 @check("attention.methods")
@@ -193,8 +217,10 @@ def methods(ctx: CheckContext, tp=None, cp=None, modes=("pynative",), cases=None
             methods=("ring", "ulysses", "allgather_kv"), dtypes=("float32",), **sizes) -> list:
     """Each case in each mode against dense attention (see the module docstring).
 
-    ``cases``: a list of case dicts, or the name of a set: ``"all"`` (default: every method
-    x causal x GQA x split, :func:`default_cases`), ``"suite"``, ``"compiled"``."""
+    ``cases``: a list of case dicts, or the name of a set (:data:`CASE_SETS`): ``"all"``
+    (default: every method x causal x GQA x split, :func:`default_cases`), ``"suite"``,
+    ``"jit"``, ``"graph"``, ``"compiled"``, ``"ring"``, ``"verify"`` / ``"verify_compiled"``
+    (in ``dtypes[0]``)."""
     from mindscience.distributed import manager
 
     from .modes import _COMPILED_KEEP_ALIVE, differentiate_batch, value_and_grad
@@ -207,7 +233,8 @@ def methods(ctx: CheckContext, tp=None, cp=None, modes=("pynative",), cases=None
         if cases not in CASE_SETS:
             raise ValueError(f"cases={cases!r} is invalid: expected a list of cases or one of "
                              f"{sorted(CASE_SETS)}")
-        specs = CASE_SETS[cases]()
+        # The verify sets run in the run's dtype (``dtypes[0]``); the others fix their own.
+        specs = CASE_SETS[cases](dtypes[0]) if cases.startswith("verify") else CASE_SETS[cases]()
     else:
         specs = cases
     records = []
