@@ -30,12 +30,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "long_sequence.py")
 
 
-def shape_for(seq_len: int) -> tuple:
+def shape_for(seq_len: int, shape=None) -> tuple:
+    if shape:
+        return tuple(shape)
     return (1, 64) if seq_len > 8192 else (4, 16)
 
 
-def run_one(method: str, seq_len: int, ranks: int, timeout: float) -> list:
-    heads, head_dim = shape_for(seq_len)
+def run_one(method: str, seq_len: int, ranks: int, timeout: float, shape=None) -> list:
+    heads, head_dim = shape_for(seq_len, shape)
     out = os.path.join(tempfile.mkdtemp(prefix="bench_attn_"), "rec")
     args = ["--seq-len", str(seq_len), "--heads", str(heads), "--head-dim", str(head_dim),
             "--methods", "allgather_kv" if method == "dense" else method, "--json", out]
@@ -62,15 +64,18 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=["dense", "ring", "ulysses", "allgather_kv"])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--shape", type=int, nargs=2, metavar=("N", "D"),
+                        help="heads and head size for every S (default: 4 x 16 up to 8K, 1 x 64 above), "
+                             "and run every given method at every S (nothing skipped)")
     args = parser.parse_args(argv)
     print("| S | N x D | method | ranks | peak MiB per rank (max) | above baseline | fwd+bwd s (max) |")
     print("|---|---|---|---|---|---|---|")
     for seq_len in args.seq_lens:
-        heads, head_dim = shape_for(seq_len)
+        heads, head_dim = shape_for(seq_len, args.shape)
         for method in args.methods:
-            if seq_len > 8192 and method in ("dense", "ulysses"):
+            if seq_len > 8192 and method in ("dense", "ulysses") and not args.shape:
                 continue  # see the module docstring
-            rows = run_one(method, seq_len, args.ranks, args.timeout)
+            rows = run_one(method, seq_len, args.ranks, args.timeout, args.shape)
             if not rows:
                 continue
             peak = max(r[0] for r in rows)
