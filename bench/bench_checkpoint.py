@@ -13,7 +13,13 @@ psutil (and read from ``getrusage`` after it exits, which includes mapped file p
 * ``reshard`` tp2 -> tp4 (``offline.reshard``: reads every element once through memory
   maps, checksums each source tensor, writes and checksums the new files), and the same
   with ``verify=False`` (``--no-verify``: the source checksums are not recomputed);
-* ``inspect`` without checksums (manifest + headers + sizes) and with them (reads all).
+* ``inspect`` without checksums (manifest + headers + sizes) and with them (reads all);
+* what ``load`` reads: the checkpoint resharded to tp1, then tp8 rank 3's slices of every
+  tensor read as ``load`` reads them (``CheckpointReader.read_piece``, block checksums
+  verified) after the files' pages were dropped from the page cache
+  (``posix_fadvise(DONTNEED)``, allowed without root on one's own files); the bytes
+  checksummed (reported by the reader) and the bytes the kernel brought into the page
+  cache (``mincore``), split by dim-0 and dim-1 tensors.
 
 Throughput is bytes of tensor data over wall time. Nothing is dropped from the page
 cache (that needs root and would disturb the other users of a shared machine), so the
@@ -82,6 +88,57 @@ def build(directory: str, gib: float) -> dict:
     return finish(directory, layout.world_size, layout.to_dict(), step=0)
 
 
+LOAD_READ = """
+import ctypes, json, mmap, os, sys, time
+import numpy as np
+from mindscience.distributed.checkpoint.manifest import CheckpointReader
+from mindscience.distributed.checkpoint.plan import piece_for
+from mindscience.distributed.topology.layout import Layout
+
+src, tp, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+def resident(path):
+    size, page = os.path.getsize(path), mmap.PAGESIZE
+    with open(path, "rb") as fh:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
+    vec = ctypes.create_string_buffer(-(-size // page))
+    libc.mincore(addr, size, vec)
+    libc.munmap(addr, size)
+    return sum(b & 1 for b in vec.raw) * page
+
+files = [os.path.join(src, f) for f in os.listdir(src) if f.endswith(".safetensors")]
+for path in files:
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+before = sum(resident(p) for p in files)
+layout = Layout(world_size=tp, tp=tp)
+reader = CheckpointReader(src)
+out = {"resident_before": before, "by_dim": {}}
+t = time.perf_counter()
+for name, entry in reader.params.items():
+    piece = piece_for(name, entry["shape"], entry["sharding"], layout, rank)
+    v0 = reader.bytes_verified
+    got = np.array(reader.read_piece(name, piece))
+    key = str(entry["sharding"]["partition_dim"])
+    row = out["by_dim"].setdefault(key, {"tensor_bytes": 0, "slice_bytes": 0, "verified": 0})
+    row["tensor_bytes"] += int(np.prod(entry["shape"])) * got.itemsize
+    row["slice_bytes"] += got.nbytes
+    row["verified"] += reader.bytes_verified - v0
+    del got
+out["read_s"] = time.perf_counter() - t
+out["verified"] = reader.bytes_verified
+out["resident_after"] = sum(resident(p) for p in files)
+out["checkpoint_bytes"] = sum(os.path.getsize(p) for p in files)
+print(json.dumps(out))
+"""
+
+
 def data_bytes(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
 
@@ -137,6 +194,7 @@ def main(argv=None) -> int:
             fh.write("world_size: 4\ntp: 4\n")
         runs = {"cp": [], "reshard": [], "reshard_no_verify": [], "inspect_fast": [],
                 "inspect_checksums": []}
+        load_reads = []
         for _ in range(args.repeat):
             for path in (out, root + "/copy"):
                 shutil.rmtree(path, ignore_errors=True)
@@ -159,6 +217,13 @@ def main(argv=None) -> int:
                 "import time; from mindscience.distributed.checkpoint import offline\n"
                 f"t = time.perf_counter(); d = offline.inspect({out!r}, checksums=True)\n"
                 "print(time.perf_counter() - t, d['ok'])")))
+        tp1 = os.path.join(root, "tp1")
+        run_child(py("from mindscience.distributed.checkpoint import offline\n"
+                     "from mindscience.distributed.topology.layout import Layout\n"
+                     f"offline.reshard({src!r}, {tp1!r}, Layout(world_size=1))"))
+        for _ in range(args.repeat):
+            child = run_child(py(LOAD_READ) + [tp1, "8", "3"])
+            load_reads.append(dict(json.loads(child["stdout"]), peak_rss_mib=child["psutil_peak_rss"] / 2**20))
         result = {"gib": nbytes / 2**30, "tensors": len(manifest["parameters"]),
                   "largest_tensor_mib": largest / 2**20, "build_s": build_s}
         for key, rs in runs.items():
@@ -175,6 +240,13 @@ def main(argv=None) -> int:
         result["reshard_gib_s"] = nbytes / 2**30 / result["reshard"]["best_s"]
         result["cp_gib_s"] = nbytes / 2**30 / result["cp"]["best_s"]
         result["reshard_peak_rss_vs_largest"] = result["reshard"]["peak_rss_mib"] / (largest / 2**20)
+        best = min(load_reads, key=lambda r: r["read_s"])
+        result["load_tp8_rank3_of_tp1"] = {
+            "read_s_best": best["read_s"], "checkpoint_mib": best["checkpoint_bytes"] / 2**20,
+            "verified_mib": best["verified"] / 2**20,
+            "page_cache_mib": max(r["resident_after"] - r["resident_before"] for r in load_reads) / 2**20,
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in load_reads),
+            "by_dim": {d: {k: v / 2**20 for k, v in row.items()} for d, row in best["by_dim"].items()}}
         print(json.dumps(result, indent=1))
         if args.json:
             with open(args.json, "w") as fh:

@@ -100,7 +100,9 @@ def render_inspect(data: dict, fmt: str, show_all: bool = False) -> None:
 
 
 def _problems(data: dict) -> None:
-    # One plain line per problem (no wrapping), on stderr, whatever the format.
+    # One plain line per note and problem (no wrapping), on stderr, whatever the format.
+    for note in data.get("notes", ()):
+        sys.stderr.write(f"msdist: note: {' '.join(note.split())}\n")
     for problem in data["problems"]:
         sys.stderr.write(f"msdist: problem: {' '.join(problem.split())}\n")
 

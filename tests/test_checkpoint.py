@@ -107,7 +107,7 @@ def test_saved_files_hold_exactly_each_ranks_slices(tmp_path):
     assert "global_step" in files["rank_00000.safetensors"]
     assert "global_step" not in files["rank_00001.safetensors"]
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert manifest["format_version"] == 1 and manifest["step"] == 3
+    assert manifest["format_version"] == 2 and manifest["step"] == 3
     assert manifest["layout"]["tp"] == 2 and manifest["layout"]["dp"] == 2
     assert manifest["parameters"]["layers.0.norm"]["dtype"] == "BF16"
     assert manifest["parameters"]["layers.0.qkv.weight"]["shape"] == [24, 8]

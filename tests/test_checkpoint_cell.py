@@ -1,13 +1,19 @@
-"""checkpoint.save / load of a MindSpore Cell in one process (tp = 1), errors, crash safety.
+"""checkpoint.save / load of a MindSpore Cell in one process, errors, crash safety.
 
-The layout changes on real ranks are in tests/test_mappings.py (checkpoint.layout_change).
+Most tests run at tp = 1. Those of optimizer state and of failing saves run 2 "ranks"
+as threads of this process (``ThreadWorld``: each thread has its rank, and the world
+all-reduce is a real sum between the threads, so a rank left waiting shows as a broken
+barrier instead of a hang). The layout changes on real ranks are in
+tests/test_mappings.py (checkpoint.layout_change).
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -17,7 +23,10 @@ from mindspore import nn, ops  # noqa: E402
 
 from mindscience.distributed import checkpoint  # noqa: E402
 from mindscience.distributed.checkpoint import CheckpointError, CheckpointIntegrityError  # noqa: E402
+from mindscience.distributed.checkpoint import cell as cell_mod  # noqa: E402
 from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from mindscience.distributed.sharding import mark_sharding  # noqa: E402
+from mindscience.distributed.topology.layout import Layout  # noqa: E402
 
 
 class Net(nn.Cell):
@@ -154,3 +163,243 @@ def test_save_killed_part_way_leaves_previous_checkpoint(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "mscli.main", "checkpoint", "inspect", str(ckpt) + ".partial"],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 1 and "incomplete" in cli.stderr
+
+
+class ThreadWorld:
+    """``layout.world_size`` ranks as threads: ``cell._world`` returns each thread's rank
+    and ``cell._world_sum`` sums the threads' vectors (two barriers, 60 s timeout).
+
+    The threads take turns (one lock, given up only while waiting in a collective):
+    MindSpore's PyNative ops abort the process when two threads run them at once."""
+
+    def __init__(self, monkeypatch, layout):
+        self.layout, self.local = layout, threading.local()
+        self.slots = [None] * layout.world_size
+        self.turn = threading.Lock()
+        monkeypatch.setattr(cell_mod, "_world", lambda: (self.layout, self.local.rank))
+        monkeypatch.setattr(cell_mod, "_world_sum", self._sum)
+
+    def _sum(self, layout, values):
+        self.slots[self.local.rank] = np.asarray(values, np.float64)
+        self.turn.release()
+        try:
+            self.barrier.wait()
+            total = np.sum(self.slots, axis=0)
+            self.barrier.wait()
+        finally:
+            self.turn.acquire()
+        return total.astype(np.float32)
+
+    def run(self, fn):
+        """``fn(rank)`` on every rank at once: (results, errors) by rank."""
+        n = self.layout.world_size
+        results, errors = [None] * n, [None] * n
+        # A rank raising outside a collective leaves the others waiting in one: they break
+        # out after the barrier's timeout (BrokenBarrierError: "would have hung").
+        self.barrier = threading.Barrier(n, timeout=60)
+
+        def target(rank):
+            self.local.rank = rank
+            with self.turn:
+                try:
+                    results[rank] = fn(rank)
+                except BaseException as err:  # noqa: BLE001 - reported to the test
+                    errors[rank] = err
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        return results, errors
+
+
+W = np.arange(24, dtype=np.float32).reshape(6, 4) / 8    # global [6, 4], split on dim 0
+V = np.arange(24, dtype=np.float32).reshape(4, 6) / 16   # global [4, 6], split on dim 1
+
+
+class ShardNet(nn.Cell):
+    """tp rank ``rank`` of ``tp``'s slices of W (dim 0) and V (dim 1), a replicated b."""
+
+    def __init__(self, rank=0, tp=2, scale=1.0):
+        super().__init__()
+        rows, cols = 6 // tp, 6 // tp
+        self.w = mark_sharding(ms.Parameter(ms.Tensor(W[rank * rows:(rank + 1) * rows] * scale), name="w"),
+                               "tp", 0)
+        self.v = mark_sharding(ms.Parameter(ms.Tensor(V[:, rank * cols:(rank + 1) * cols] * scale), name="v"),
+                               "tp", 1)
+        self.b = ms.Parameter(ms.Tensor(np.full(4, 0.5, np.float32) * scale), name="b")
+
+
+def _optimizer(kind, net):
+    if kind == "mint.AdamW":
+        opt = ms.mint.optim.AdamW(net.trainable_params(), lr=1e-2)
+        return opt, {"w": opt.exp_avg[0], "v": opt.exp_avg[1]}, ("exp_avg", "exp_avg_sq")
+    opt = nn.Adam(net.trainable_params(), learning_rate=1e-2)
+    return opt, {"w": opt.moment1[0], "v": opt.moment1[1]}, ("moment1", "moment2")
+
+
+def _moment(name, rank, tp=2):
+    """The moment value rank ``rank`` holds: its slice of a global tensor + 100 x its tp rank
+    is not what training gives, but makes every rank's slice distinct and known."""
+    full = {"w": W * 10, "v": V * 10}[name]
+    if name == "w":
+        return full[rank * (6 // tp):(rank + 1) * (6 // tp)] + 0.25
+    return full[:, rank * (6 // tp):(rank + 1) * (6 // tp)] + 0.25
+
+
+@pytest.mark.parametrize("kind", ["mint.AdamW", "nn.Adam"])
+def test_optimizer_moments_are_split_like_their_parameter(tmp_path, monkeypatch, kind):
+    """At tp2 (two thread ranks) each rank's moments of the split W and V are its own
+    slice: saved as such (merged = the global moment), and loaded back per rank, and at
+    tp1 as the whole tensor. Before, mint.optim's ``exp_avg.*`` were saved as replicated:
+    only rank 0's slice, recorded as the whole tensor."""
+    world = ThreadWorld(monkeypatch, Layout(world_size=2, tp=2))
+    states = []
+    for rank in range(2):
+        net = ShardNet(rank)
+        opt, moments, prefixes = _optimizer(kind, net)
+        for name, param in moments.items():
+            param.set_data(ms.Tensor(_moment(name, rank)))
+        states.append(nn.CellList([net, opt]))
+    names = {n: s for n, _, s in checkpoint.named_parameters(states[0])}
+    assert names[f"1.{prefixes[0]}.w"] == names["0.w"] and names[f"1.{prefixes[1]}.v"] == names["0.v"]
+    assert names["1.moment1.v" if kind == "nn.Adam" else "1.exp_avg.v"]["partition_dim"] == 1
+    _, errors = world.run(lambda r: checkpoint.save(states[r], tmp_path / "c", step=4))
+    assert errors == [None, None]
+    merged = tmp_path / "m.safetensors"
+    checkpoint.merge(str(tmp_path / "c"), str(merged))
+    from safetensors.numpy import load_file
+
+    full = load_file(str(merged))
+    np.testing.assert_array_equal(full[f"1.{prefixes[0]}.w"], W * 10 + 0.25)
+    np.testing.assert_array_equal(full[f"1.{prefixes[0]}.v"], V * 10 + 0.25)
+    np.testing.assert_array_equal(full["0.w"], W)
+    # Reload at tp2 into other values: each rank gets its own slice back.
+    fresh = []
+    for rank in range(2):
+        net = ShardNet(rank, scale=3.0)
+        opt, moments, _ = _optimizer(kind, net)
+        fresh.append((nn.CellList([net, opt]), moments))
+    _, errors = world.run(lambda r: checkpoint.load(fresh[r][0], tmp_path / "c"))
+    assert errors == [None, None]
+    for rank in range(2):
+        for name, param in fresh[rank][1].items():
+            np.testing.assert_array_equal(param.asnumpy(), _moment(name, rank))
+    # And at tp1 (this process alone): the whole moments.
+    monkeypatch.setattr(cell_mod, "_world", lambda: (Layout(world_size=1), 0))
+    monkeypatch.setattr(cell_mod, "_world_sum", lambda layout, values: values)
+    net = ShardNet(0, tp=1, scale=3.0)
+    opt, moments, _ = _optimizer(kind, net)
+    checkpoint.load(nn.CellList([net, opt]), tmp_path / "c")
+    np.testing.assert_array_equal(moments["w"].asnumpy(), W * 10 + 0.25)
+    np.testing.assert_array_equal(moments["v"].asnumpy(), V * 10 + 0.25)
+
+
+class HandOptimizer(nn.Cell):
+    """An optimizer of its own kind: a moment for the 2-d weight ``w`` only (a
+    ParameterTuple shorter than its parameters, so not matched position by position)."""
+
+    def __init__(self, params, named=True):
+        super().__init__()
+        self.parameters = ms.ParameterTuple(params)
+        w = params[0]
+        zeros = ms.Tensor(np.zeros(w.shape, np.float32))
+        # "m.<name>": what ParameterTuple.clone(prefix="m") names each parameter's state
+        self.m = ms.ParameterTuple([ms.Parameter(zeros, name=f"m.{w.name}" if named else "buf0")])
+
+
+def test_optimizer_state_by_name_or_a_clear_error():
+    net = ShardNet(0)
+    named = nn.CellList([net, HandOptimizer(net.trainable_params())])
+    names = {n: s for n, _, s in checkpoint.named_parameters(named)}
+    assert names["1.m.w"] == names["0.w"]  # "1.m.w" and "1.w": matched by name and shape
+    net = ShardNet(0)
+    opt = HandOptimizer(net.trainable_params(), named=False)
+    state = nn.CellList([net, opt])
+    with pytest.raises(CheckpointError, match=r"optimizer state '1.buf0' \(local shape \(3, 4\)\) cannot be "
+                                              r"matched.*sharded parameter.*mark_sharding"):
+        checkpoint.named_parameters(state)
+    mark_sharding(opt.m[0], "tp", 0)  # the user says how it is split
+    assert {n: s for n, _, s in checkpoint.named_parameters(state)}["1.buf0"]["partition_dim"] == 0
+    # A one-element state (nn.Adam's global_step, shape (1,)) is a counter, even beside a
+    # sharded bias of one element per rank: replicated, no error.
+    net = ShardNet(0)
+    net.tiny = mark_sharding(ms.Parameter(ms.Tensor(np.ones(1, np.float32)), name="tiny"), "tp", 0)
+    names = {n: s for n, _, s in checkpoint.named_parameters(nn.CellList([net, nn.Adam(net.trainable_params())]))}
+    assert names["1.global_step"]["axis"] is None and names["1.moment1.tiny"] == names["0.tiny"]
+
+
+def _two_ranks(monkeypatch):
+    world = ThreadWorld(monkeypatch, Layout(world_size=2, tp=2))
+    return world, [nn.CellList([ShardNet(r)]) for r in range(2)]
+
+
+def test_save_accepts_numpy_step_and_checks_arguments_on_every_rank(tmp_path, monkeypatch):
+    world, states = _two_ranks(monkeypatch)
+    _, errors = world.run(lambda r: checkpoint.save(states[r], tmp_path / "c", step=np.int64(5),
+                                                    extra={"lr": 0.5}))
+    assert errors == [None, None]
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["step"] == 5 and manifest["extra"] == {"lr": 0.5}
+    for kwargs, match in [({"step": "5"}, r"step='5' \(str\) is invalid: expected an int or None"),
+                          ({"step": 2.0}, r"step=2.0 \(float\)"),
+                          ({"step": True}, r"step=True"),
+                          ({"extra": {"f": object()}}, r"extra=.* is not JSON-serializable"),
+                          ({"extra": {"x": float("nan")}}, r"not JSON-serializable")]:
+        _, errors = world.run(lambda r: checkpoint.save(states[r], tmp_path / "d", **kwargs))
+        assert all(isinstance(e, CheckpointError) and e.args[0] == errors[0].args[0] for e in errors)
+        assert errors[0] is not None and __import__("re").search(match, str(errors[0])), errors
+        assert not (tmp_path / "d").exists() and not (tmp_path / "d.partial").exists()
+
+
+@pytest.mark.parametrize("where", ["write_rank", "finish"])
+def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, monkeypatch, where):
+    """Rank 1's disk is full while writing (or rank 0's while writing the manifest): no
+    rank hangs at a barrier, every rank raises naming the failing rank, and the previous
+    checkpoint is still the one in place."""
+    world, states = _two_ranks(monkeypatch)
+    _, errors = world.run(lambda r: checkpoint.save(states[r], tmp_path / "c", step=1))
+    assert errors == [None, None]
+    bad = 1 if where == "write_rank" else 0
+    real = getattr(cell_mod, where)
+
+    def failing(*args, **kwargs):
+        if world.local.rank == bad:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cell_mod, where, failing)
+    _, errors = world.run(lambda r: checkpoint.save(states[r], tmp_path / "c", step=2))
+    assert all(isinstance(e, CheckpointError) for e in errors), errors
+    assert f"failed on rank {bad} while" in str(errors[bad])
+    assert "No space left on device" in str(errors[bad])
+    assert f"failed on rank(s) {bad} while" in str(errors[1 - bad])
+    monkeypatch.setattr(cell_mod, where, real)
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["step"] == 1
+    if where == "write_rank":
+        assert not (tmp_path / "c.partial").exists()
+    _, errors = world.run(lambda r: checkpoint.load(states[r], tmp_path / "c"))
+    assert errors == [None, None]
+
+
+def test_load_reads_the_complete_partial_left_between_two_renames(tmp_path):
+    """A save whose fallback was stopped between its two renames (no DIR, the previous
+    checkpoint in DIR.old, the new complete one in DIR.partial): load reads the new one,
+    says so, and the next save puts it in place first."""
+    net = nn.Dense(3, 2)
+    net.weight.set_data(ms.Tensor(np.full((2, 3), 1.0, np.float32)))
+    checkpoint.save(net, tmp_path / "c", step=1)
+    net.weight.set_data(ms.Tensor(np.full((2, 3), 2.0, np.float32)))
+    checkpoint.save(net, tmp_path / "new", step=2)
+    os.rename(tmp_path / "c", tmp_path / "c.old")
+    os.rename(tmp_path / "new", tmp_path / "c.partial")
+    other = nn.Dense(3, 2)
+    with pytest.warns(UserWarning, match="c.partial is complete"):
+        info = checkpoint.load(other, tmp_path / "c")
+    assert info["step"] == 2 and "stopped while moving it into place" in info["note"]
+    np.testing.assert_array_equal(other.weight.asnumpy(), np.full((2, 3), 2.0, np.float32))
+    checkpoint.save(net, tmp_path / "c", step=3)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert checkpoint.load(other, tmp_path / "c")["step"] == 3

@@ -2,7 +2,9 @@
 
 No MindSpore import: everything runs on numpy, memory maps and the safetensors format
 (:mod:`mindscience.distributed.checkpoint.offline`). Exit codes: 0 ok, 1 the checkpoint
-is incomplete or corrupt (the message names the file or parameter), 2 bad input.
+is incomplete or corrupt, or of a format version this msdist cannot read (the message
+names the file, parameter or version), 2 bad input (a missing path, a file where a
+directory is expected, a layout that cannot split a parameter).
 """
 
 from __future__ import annotations
@@ -23,12 +25,22 @@ app = typer.Typer(
 )
 
 
+def _unreadable() -> tuple:
+    """The errors that mean "this checkpoint cannot be used" (exit 1), not bad input."""
+    from mindscience.distributed.checkpoint import CheckpointFormatError, CheckpointIntegrityError
+
+    return (CheckpointIntegrityError, CheckpointFormatError)
+
+
 def _integrity(err) -> "typer.Exit":
     return fail(" ".join(str(err).split()), EXIT_FAILED)
 
 
 def _check_dir(path: str) -> None:
-    if not os.path.exists(path) and not os.path.isdir(path + ".partial"):
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{path} is a file, not a checkpoint directory: pass the directory "
+                         "that save() wrote (it holds manifest.json).")
+    if not os.path.exists(path) and not os.path.isdir(path.rstrip("/") + ".partial"):
         raise UsageError(f"checkpoint directory {path} does not exist: pass the directory that "
                          "save() wrote (it holds manifest.json).")
 
@@ -42,14 +54,17 @@ def inspect_command(
     show_all: bool = typer.Option(False, "--all", help="List every parameter."),
 ) -> None:
     """Layout, parameters, files and an integrity verdict (exit 1 naming what is wrong)."""
-    from mindscience.distributed.checkpoint import offline
+    from mindscience.distributed.checkpoint import CheckpointFormatError, offline
 
     with user_errors():
         check_format(fmt)
         _check_dir(directory)
         total = _data_bytes(directory) if not no_checksums else 0
-        with render_checkpoint.progress(f"checksums of {directory}", total) as advance:
-            data = offline.inspect(directory, checksums=not no_checksums, progress=advance)
+        try:
+            with render_checkpoint.progress(f"checksums of {directory}", total) as advance:
+                data = offline.inspect(directory, checksums=not no_checksums, progress=advance)
+        except CheckpointFormatError as err:  # this msdist cannot read it: a failed check
+            raise _integrity(err) from None
     render_checkpoint.render_inspect(data, fmt, show_all)
     if not data["ok"]:
         raise typer.Exit(EXIT_FAILED)
@@ -83,7 +98,7 @@ def reshard_command(
                                      "disks, 1 writes one after the other)."),
 ) -> None:
     """Write the checkpoint as the --to layout would have saved it (built in OUT.partial)."""
-    from mindscience.distributed.checkpoint import CheckpointIntegrityError, offline
+    from mindscience.distributed.checkpoint import offline
     from mindscience.distributed.topology import load_layout
 
     with user_errors():
@@ -96,7 +111,7 @@ def reshard_command(
             with render_checkpoint.progress(f"reshard to {to}", total) as advance:
                 manifest = offline.reshard(directory, out, layout, progress=advance,
                                            verify=not no_verify, workers=workers)
-        except CheckpointIntegrityError as err:
+        except _unreadable() as err:
             raise _integrity(err) from None
     render_checkpoint.render_written(
         {"command": "reshard", "source": directory, "output": out, "layout": manifest["layout"],
@@ -111,7 +126,7 @@ def merge_command(
     fmt: str = typer.Option("rich", "--format", "-f", help="rich or json."),
 ) -> None:
     """One dense safetensors file with the full tensors (for safetensors, MindSpore, torch)."""
-    from mindscience.distributed.checkpoint import CheckpointIntegrityError, offline
+    from mindscience.distributed.checkpoint import offline
 
     with user_errors():
         check_format(fmt)
@@ -121,7 +136,7 @@ def merge_command(
             total = _source_bytes(directory)
             with render_checkpoint.progress(f"merge into {out_file}", total) as advance:
                 shapes = offline.merge(directory, out_file, progress=advance)
-        except CheckpointIntegrityError as err:
+        except _unreadable() as err:
             raise _integrity(err) from None
     render_checkpoint.render_written(
         {"command": "merge", "source": directory, "output": out_file, "parameters": len(shapes),

@@ -7,30 +7,34 @@
 
 * :func:`save` / :func:`load` (:mod:`.cell`, the only MindSpore part): each rank writes
   what it owns as safetensors plus a manifest; ``load`` reads, through memory maps, only
-  the slices the current layout gives this rank.
+  the slices the current layout gives this rank, verifying the checksums of the 1 MiB
+  blocks that hold them (:mod:`.blocks`).
 * Parameters are matched by GLOBAL name (their path in ``cell.parameters_and_names()``),
   and split as their sharding marks say (:mod:`mindscience.distributed.sharding`).
   Pipeline stages name their layers by global index: :func:`set_global_layer_names`.
 * Optimizer state: pass a cell holding the optimizer too (``nn.CellList([net, opt])``);
-  its moments are saved and resharded like the parameters they belong to, its step
-  counters and learning rate as replicated tensors.
+  its moments (``nn.Optimizer``s and ``mint.optim`` optimizers alike) are saved and
+  resharded like the parameters they belong to, its step counters and learning rate as
+  replicated tensors.
 * Offline (no MindSpore, used by ``msdist checkpoint``): :mod:`.offline` ``inspect``,
-  ``reshard``, ``merge``; :mod:`.manifest` (the format), :mod:`.plan` (who holds which
-  slice), :mod:`.files` (safetensors byte ranges, checksums), :mod:`.writer`.
+  ``reshard``, ``merge``; :mod:`.manifest` (the format), :mod:`.schema` (its checks),
+  :mod:`.plan` (who holds which slice, stage placement), :mod:`.files` (safetensors byte
+  ranges, checksums), :mod:`.blocks` (block checksums), :mod:`.writer`.
 
 Importing this package does not import MindSpore; ``save``/``load`` load it on first use.
 """
 
 import importlib
 
-from .errors import CheckpointError, CheckpointIntegrityError
-from .manifest import FORMAT_VERSION
+from .errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError
+from .manifest import FORMAT_VERSION, READ_VERSIONS
 
 _LAZY = {"save": "cell", "load": "cell", "set_global_layer_names": "cell",
          "named_parameters": "cell", "inspect": "offline", "reshard": "offline", "merge": "offline"}
 
 __all__ = ["save", "load", "set_global_layer_names", "named_parameters", "inspect", "reshard",
-           "merge", "CheckpointError", "CheckpointIntegrityError", "FORMAT_VERSION"]
+           "merge", "CheckpointError", "CheckpointIntegrityError", "CheckpointFormatError",
+           "FORMAT_VERSION", "READ_VERSIONS"]
 
 
 def __getattr__(name):

@@ -5,22 +5,26 @@ The only module of the package that imports MindSpore.
 
 from __future__ import annotations
 
+import json
+import numbers
+import shutil
+import warnings
 from typing import Optional
 
 import numpy as np
 
 import mindspore as ms
-from mindspore import nn
 
 from ..sharding import get_sharding
 from ..topology.layout import Layout
 from .errors import CheckpointError
 from .files import st_dtype_of
 from .manifest import CheckpointReader
-from .plan import global_shape_from_local, local_shape, piece_for, rename_layers, writes
+from .plan import (global_shape_from_local, layer_index, local_shape, piece_for, rename_layers,
+                   writes)
 from .writer import LAYOUT_KEYS, finish, prepare, write_rank
 
-__all__ = ["save", "load", "set_global_layer_names", "named_parameters"]
+__all__ = ["save", "load", "set_global_layer_names", "named_parameters", "layer_prefixes"]
 
 _OFFSET_ATTR = "_msdist_layer_offsets"
 
@@ -36,6 +40,12 @@ def set_global_layer_names(cell, first_layer: int, prefix: str = "layers"):
     ``layers.2.mlp.fc1.weight`` is ``layers.6.mlp.fc1.weight`` in the checkpoint, the
     name the same weight has on pp = 1 or on stage 3 of pp = 4.
 
+    The prefix is also what marks a global layer for an offline reshard to another pp:
+    ``save`` records each parameter's layer index (the number after one of the
+    prefixes given here, ``layers`` if none was) in the manifest. A model whose layers
+    are named otherwise, e.g. ``blocks.<i>``, calls
+    ``set_global_layer_names(model, 0, prefix="blocks")`` even at pp = 1.
+
     Returns ``cell``.
     """
     offsets = dict(getattr(cell, _OFFSET_ATTR, {}) or {})
@@ -44,21 +54,124 @@ def set_global_layer_names(cell, first_layer: int, prefix: str = "layers"):
     return cell
 
 
-def _optimizer_bases(cell) -> dict:
-    """id(optimizer state tensor) -> the parameter it belongs to (Adam's moments etc.)."""
-    bases = {}
-    for _, sub in cell.cells_and_names():
-        if not isinstance(sub, nn.Optimizer):
-            continue
-        params = list(sub.parameters)
-        for key, value in vars(sub).items():
+def _optimizer_cells(cell) -> list:
+    """``(path, optimizer cell, its parameters)`` of every optimizer inside ``cell``: an
+    ``nn.Optimizer``, a ``mindspore.mint.optim`` / ``experimental.optim`` optimizer, or
+    any cell holding the parameters it updates as a ``parameters`` ParameterTuple/list."""
+    out = []
+    for path, sub in cell.cells_and_names():
+        params = vars(sub).get("parameters")
+        if isinstance(params, (ms.ParameterTuple, list, tuple)) and params and all(
+                isinstance(p, ms.Parameter) for p in params):
+            out.append((path, sub, list(params)))
+    return out
+
+
+def _tail_match(state_name: str, base_name: str) -> int:
+    """How many trailing name components of ``base_name`` (after those it shares, in
+    front, with ``state_name``: an optimizer's own prefix) end ``state_name``; 0 if the
+    rest does not. ``("1.exp_avg.layers.0.weight", "1.layers.0.weight")`` -> 3."""
+    s, b = state_name.split("."), base_name.split(".")
+    k = 0
+    while k < min(len(s), len(b)) - 1 and s[k] == b[k]:
+        k += 1
+    tail = b[k:]
+    return len(tail) if len(s) > len(tail) and s[-len(tail):] == tail else 0
+
+
+def _optimizer_bases(cell) -> tuple:
+    """``(bases, problems)``: id(optimizer state) -> the parameter it belongs to, and the
+    states that could not be attributed although they have the local shape of a sharded
+    parameter of their optimizer (``(path, state, base)``).
+
+    Attribution, per optimizer: by its structure first (each ParameterTuple attribute as
+    long as its parameters, position by position, same shape: ``nn.Adam``'s
+    ``moment1``, ``nn.AdamWeightDecay``'s ``adam_m``, ``mint.optim.AdamW``'s
+    ``exp_avg``); then by name and local shape (``<prefix>.<parameter name>``, the name
+    ``ParameterTuple.clone(prefix=...)`` gives). A state marked with ``mark_sharding``
+    keeps its own mark (see :func:`_entries`).
+    """
+    bases, problems = {}, []
+    for path, opt, params in _optimizer_cells(cell):
+        param_ids = {id(p) for p in params}
+        for key, value in vars(opt).items():
             if key in ("parameters", "_parameters") or not isinstance(value, ms.ParameterTuple):
                 continue
             if len(value) == len(params):
                 for state, base in zip(value, params):
-                    if tuple(state.shape) == tuple(base.shape):
+                    if id(state) not in param_ids and tuple(state.shape) == tuple(base.shape):
                         bases[id(state)] = base
-    return bases
+        for name, state in opt.parameters_and_names():
+            if id(state) in param_ids or id(state) in bases or _marked(state):
+                continue
+            scored = sorted(((_tail_match(state.name, b.name), i) for i, b in enumerate(params)
+                             if tuple(b.shape) == tuple(state.shape)), reverse=True)
+            if scored and scored[0][0] and (len(scored) == 1 or scored[1][0] < scored[0][0]):
+                bases[id(state)] = params[scored[0][1]]
+                continue
+            # One element: a step counter, a learning rate, a beta power (replicated),
+            # even where a tiny sharded bias has one element per rank.
+            sharded = [b for b in params if tuple(b.shape) == tuple(state.shape)
+                       and get_sharding(b)["axis"] is not None and int(np.prod(state.shape)) > 1]
+            if sharded:
+                problems.append((f"{path}.{name}" if path else name, state, sharded[0]))
+    return bases, problems
+
+
+def _marked(param) -> bool:
+    return hasattr(param, "parallel_axis") or getattr(param, "tensor_model_parallel", False)
+
+
+def _entries(cell) -> list:
+    """``(global name, parameter, sharding, base global name, position)`` per parameter
+    (see :func:`named_parameters`); ``position`` is its index in the cell's parameter
+    order (an optimizer state has its base parameter's).
+
+    Raises:
+        CheckpointError: two parameters with one global name; optimizer state that
+            cannot be attributed to its parameter but has a sharded parameter's shape.
+    """
+    offsets = getattr(cell, _OFFSET_ATTR, {}) or {}
+    bases, problems = _optimizer_bases(cell)
+    out, seen, index = [], set(), {}
+    for name, param in cell.parameters_and_names():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        for prefix, offset in offsets.items():
+            name = rename_layers(name, offset, prefix)
+        index[id(param)] = len(index)
+        out.append([name, param])
+    names = {id(p): n for n, p in out}
+    if problems:
+        path, state, base = problems[0]
+        raise CheckpointError(
+            f"optimizer state {path!r} (local shape {tuple(state.shape)}) cannot be matched "
+            f"to the parameter it belongs to, and it has the local shape of the sharded "
+            f"parameter {names.get(id(base), base.name)!r} ({get_sharding(base)}): saved as "
+            "replicated, only one rank's slice would be kept. Mark it like its parameter, "
+            "e.g. mark_sharding(state, axis='tp', partition_dim=0), or with axis=None if it "
+            "really is replicated.")
+    entries = []
+    for name, param in out:
+        base = bases.get(id(param))
+        if base is not None and id(base) not in names:
+            base = None  # its parameter is not part of this cell: keep the state's own mark
+        # an explicit mark on the state wins over its parameter's
+        source = param if base is None or _marked(param) else base
+        entries.append((name, param, get_sharding(source), None if base is None else names[id(base)],
+                        index[id(param if base is None else base)]))
+    all_names = [e[0] for e in entries]
+    if len(set(all_names)) != len(all_names):
+        dup = sorted({n for n in all_names if all_names.count(n) > 1})[0]
+        raise CheckpointError(f"two parameters share the global name {dup!r}; rename one.")
+    return entries
+
+
+def layer_prefixes(cell) -> list:
+    """The layer prefixes of ``cell`` (those given to :func:`set_global_layer_names`, or
+    ``["layers"]``): the name part that marks a global layer index in checkpoints."""
+    return list(getattr(cell, _OFFSET_ATTR, {}) or {}) or ["layers"]
 
 
 def named_parameters(cell) -> list:
@@ -67,23 +180,12 @@ def named_parameters(cell) -> list:
     The global name is the parameter's path in ``cell.parameters_and_names()`` (the
     first one of a shared parameter), with ``layers.<i>`` renumbered as set by
     :func:`set_global_layer_names`. Optimizer state (moments) has the sharding of the
-    parameter it belongs to.
+    parameter it belongs to (see :func:`_optimizer_bases`).
+
+    Raises:
+        CheckpointError: see :func:`_entries`.
     """
-    offsets = getattr(cell, _OFFSET_ATTR, {}) or {}
-    bases = _optimizer_bases(cell)
-    out, seen = [], set()
-    for name, param in cell.parameters_and_names():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        for prefix, offset in offsets.items():
-            name = rename_layers(name, offset, prefix)
-        out.append((name, param, get_sharding(bases.get(id(param), param))))
-    names = [n for n, _, _ in out]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})[0]
-        raise CheckpointError(f"two parameters share the global name {dup!r}; rename one.")
-    return out
+    return [(name, param, sharding) for name, param, sharding, _, _ in _entries(cell)]
 
 
 def _world():
@@ -132,61 +234,123 @@ def _layout_dict(layout: Layout) -> dict:
     return {k: v for k, v in layout.to_dict().items() if k in LAYOUT_KEYS}
 
 
+def _check_step(step):
+    """``step`` as an int (numpy integers converted) or None."""
+    if step is None:
+        return None
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, numbers.Integral):
+        raise CheckpointError(f"save: step={step!r} ({type(step).__name__}) is invalid: expected "
+                              "an int or None (numpy integers are converted). Pass int(step).")
+    return int(step)
+
+
+def _check_extra(extra) -> None:
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"save: extra={extra!r} is not JSON-serializable ({err}): pass "
+                              "plain dicts, lists, strings, finite numbers, bools and None.") from None
+
+
+def _agree(layout: Layout, rank: int, error, directory: str, phase: str) -> None:
+    """Every rank learns which ranks failed ``phase`` (a world all-reduce of a one-hot
+    vector) and, if any did, every rank raises: the failed ones their own error, the
+    others one naming them. So one rank's failure (a full disk, a bad argument) never
+    leaves the others waiting at a barrier."""
+    flags = np.zeros(layout.world_size, np.float32)
+    flags[rank] = error is not None
+    failed = [r for r, f in enumerate(_world_sum(layout, flags)) if f]
+    if not failed:
+        return
+    if isinstance(error, CheckpointError):
+        raise error
+    if error is not None:
+        raise CheckpointError(f"save to {directory} failed on rank {rank} while {phase} "
+                              f"({type(error).__name__}: {error}); nothing was saved.") from error
+    raise CheckpointError(f"save to {directory} failed on rank(s) {', '.join(map(str, failed))} "
+                          f"while {phase} (see that rank's error); nothing was saved.")
+
+
 def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] = None) -> str:
     """Save ``cell``'s parameters (all ranks call it) as a checkpoint directory.
 
     Each rank writes only the parameters it owns (see :mod:`.plan`: its shard of a
     split parameter; a replicated one only on the group's first rank) to
-    ``rank_<r>.safetensors``; rank 0 writes ``manifest.json`` after a barrier, when every
-    rank has finished, and renames ``DIR.partial`` into place. Pass a cell that holds
-    the optimizer too (e.g. ``nn.CellList([network, optimizer])``) to save its moments.
+    ``rank_<r>.safetensors``; rank 0 writes ``manifest.json`` when every rank has
+    finished, and puts ``DIR.partial`` in place of ``DIR`` (see :mod:`.writer`). Pass a
+    cell that holds the optimizer too (e.g. ``nn.CellList([network, optimizer])``) to
+    save its moments.
+
+    The arguments are checked on every rank before anything is written, and the ranks
+    agree on the outcome of each phase (a world all-reduce): if any rank fails, every
+    rank raises (none hangs), the partial directory is removed and the previous
+    checkpoint stays in place.
 
     Args:
         cell: The model (with optimizer) of this rank.
         directory: The checkpoint directory (replaced atomically if it exists).
-        step: Training step, kept in the manifest.
+        step: Training step (an int, numpy integers accepted, or None), kept in the manifest.
         extra: JSON-serializable data kept in the manifest (returned by :func:`load`).
 
     Returns:
         ``directory``.
-    """
-    import json
 
-    if extra is not None:
-        try:
-            json.dumps(extra)
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"save: extra={extra!r} is not JSON-serializable ({err}).") from None
-    layout, rank = _world()
-    items = []
-    for name, param, sharding in named_parameters(cell):
-        gshape = global_shape_from_local(name, tuple(param.shape), sharding, layout)
-        if not writes(layout, rank, sharding["axis"]):
-            continue
-        piece = piece_for(name, gshape, sharding, layout, rank)
-        tag, array = _to_numpy(param)
-        items.append((name, tag, gshape, sharding, piece, array))
-    directory = str(directory)
-    if rank == 0:
-        prepare(directory)
-    _barrier(layout)
+    Raises:
+        CheckpointError: a bad ``step`` or ``extra``; an optimizer state that cannot be
+            attributed (see :func:`named_parameters`); a failure on any rank.
+    """
     from .writer import partial_dir
 
-    write_rank(partial_dir(directory), rank, layout.coords(rank)["pp"], items)
-    _barrier(layout)
+    layout, rank = _world()
+    directory = str(directory)
+    error, items, meta = None, [], {}
+    try:
+        step = _check_step(step)
+        _check_extra(extra)
+        prefixes = layer_prefixes(cell)
+        for name, param, sharding, base, position in _entries(cell):
+            gshape = global_shape_from_local(name, tuple(param.shape), sharding, layout)
+            if not writes(layout, rank, sharding["axis"]):
+                continue
+            piece = piece_for(name, gshape, sharding, layout, rank)
+            tag, array = _to_numpy(param)
+            items.append((name, tag, gshape, sharding, piece, array))
+            meta[name] = {"layer": layer_index(base or name, prefixes), "position": position,
+                          "base": base}
+        if rank == 0:
+            prepare(directory)
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it (see _agree)
+        error = err
+    _agree(layout, rank, error, directory, "preparing the save")
+    try:
+        write_rank(partial_dir(directory), rank, layout.coords(rank)["pp"], items, meta=meta)
+    except Exception as err:  # noqa: BLE001
+        error = err
+    try:
+        _agree(layout, rank, error, directory, "writing its rank file")
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(partial_dir(directory), ignore_errors=True)
+        raise
     if rank == 0:
-        finish(directory, layout.world_size, _layout_dict(layout), step, extra)
-    _barrier(layout)
+        try:
+            finish(directory, layout.world_size, _layout_dict(layout), step, extra, prefixes)
+        except Exception as err:  # noqa: BLE001
+            error = err
+    _agree(layout, rank, error, directory,
+           f"writing the manifest and renaming (msdist checkpoint inspect {directory} says "
+           "which checkpoint is in place)")
     return directory
 
 
 def load(cell, directory, *, strict: bool = True) -> dict:
     """Load a checkpoint into ``cell`` at the CURRENT layout, whatever the saved one.
 
-    Every rank reads only the byte ranges of its own slices (memory-mapped), checks each
-    saved tensor it reads against its checksum, and assigns nothing until every rank has
-    read everything (a world all-reduce of the outcome): on any error no parameter of
-    any rank is modified.
+    Every rank reads only the byte ranges of its own slices (memory-mapped), verifies
+    the checksums of the blocks holding them (1 MiB blocks, :mod:`.blocks`; a dim-1
+    split reads a segment of every row, so its blocks are all of the stored tensor's),
+    and assigns nothing until every rank has read everything (a world all-reduce of the
+    outcome): on any error no parameter of any rank is modified.
 
     Args:
         cell: The model (with optimizer, as saved) of this rank, at the new layout.
@@ -195,7 +359,9 @@ def load(cell, directory, *, strict: bool = True) -> dict:
             checkpoint parameter in some rank's cell.
 
     Returns:
-        ``{"step", "extra", "layout" (the saved one), "loaded" (this rank's names)}``.
+        ``{"step", "extra", "layout" (the saved one), "loaded" (this rank's names),
+        "note"}``: ``note`` is None, or says that a save stopped while moving its
+        complete ``DIR.partial`` into place and that one was read (also a warning).
 
     Raises:
         CheckpointIntegrityError: missing, truncated or corrupt files; no manifest.
@@ -227,6 +393,10 @@ def load(cell, directory, *, strict: bool = True) -> dict:
                                                    entry["dtype"], param)))
     except CheckpointError as err:
         error = err
+    except Exception as err:  # noqa: BLE001 - the other ranks must not wait for this one
+        error = CheckpointError(f"load of {directory} failed on rank {rank} "
+                                f"({type(err).__name__}: {err}); nothing was modified.")
+        error.__cause__ = err
     # Same-length vectors on every rank: first the outcome, then (same manifest everywhere)
     # which checkpoint parameters some rank's model consumed.
     failed = _world_sum(layout, np.array([error is not None], np.float32))[0]
@@ -250,5 +420,8 @@ def load(cell, directory, *, strict: bool = True) -> dict:
     for param, _, value in values:
         param.set_data(value)
     manifest = reader.manifest
+    if reader.note and rank == 0:
+        warnings.warn(reader.note, stacklevel=2)
     return {"step": manifest.get("step"), "extra": manifest.get("extra"),
-            "layout": manifest["layout"], "loaded": [n for _, n, _ in values]}
+            "layout": manifest["layout"], "loaded": [n for _, n, _ in values],
+            "note": reader.note}

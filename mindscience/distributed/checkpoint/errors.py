@@ -9,3 +9,8 @@ class CheckpointError(ValueError):
 class CheckpointIntegrityError(CheckpointError):
     """The checkpoint on disk is incomplete or corrupt: a missing or truncated file, a
     checksum mismatch, elements covered twice or not at all, copies that disagree."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """The directory holds a manifest this msdist cannot read: another format, or a
+    format version it does not know (the message names it and the supported ones)."""

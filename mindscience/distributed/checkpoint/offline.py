@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .blocks import BLOCK_BYTES
 from .errors import CheckpointError, CheckpointIntegrityError
 from .files import CHUNK_BYTES, NUMPY_DTYPES, SafetensorsWriter, file_checksum, read_header
-from .manifest import CheckpointReader, read_manifest
-from .plan import count_layers, layout_from_dict, local_shape, piece_for, stage_for, writes
+from .manifest import CheckpointReader, open_manifest
+from .plan import layer_index, layout_from_dict, local_shape, piece_for, place_stages, writes
 from .writer import finish, prepare, write_rank
 
 __all__ = ["inspect", "reshard", "merge", "param_bytes"]
@@ -54,29 +55,37 @@ def inspect(directory: str, checksums: bool = True, progress=None) -> dict:
     """Describe a checkpoint and judge its integrity.
 
     Returns a dict with ``ok``, ``complete``, ``problems`` (one line each, naming the
-    file or parameter), ``layout``, ``step``, ``parameters`` (name, shape, dtype,
-    sharding, bytes, stage, shards, copies), ``files`` (file, rank, bytes, crc32,
-    status) and ``checksums`` (whether they were verified).
+    file or parameter), ``notes`` (e.g. read from ``DIR.partial``: see
+    :func:`~.manifest.open_manifest`), ``layout``, ``step``, ``parameters`` (name,
+    shape, dtype, sharding, bytes, stage, shards, copies), ``files`` (file, rank, bytes,
+    crc32, status) and ``checksums`` (whether they were verified: each file's, each
+    tensor's and each block's).
 
     Raises:
-        CheckpointError: a manifest of an unknown format or version.
+        CheckpointFormatError: a manifest of an unknown format or version.
     """
     directory = str(directory)
     data = {"directory": directory, "ok": False, "complete": False, "checksums": bool(checksums),
-            "problems": [], "parameters": [], "files": [], "layout": None, "step": None}
+            "problems": [], "notes": [], "parameters": [], "files": [], "layout": None,
+            "step": None}
     try:
-        manifest = read_manifest(directory)
+        manifest, source, note = open_manifest(directory)
     except CheckpointIntegrityError as err:
         data["problems"].append(str(err))
         data["files"] = [{"file": f, "status": "present"} for f in sorted(os.listdir(directory))
                          ] if os.path.isdir(directory) else []
         return data
+    if note:
+        data["notes"].append(note)
     data.update(complete=True, layout=manifest["layout"], step=manifest.get("step"),
-                extra=manifest.get("extra"), format_version=manifest["format_version"])
+                extra=manifest.get("extra"), format_version=manifest["format_version"],
+                source=source)
     problems = data["problems"]
-    headers, tensor_crcs = {}, {}
+    headers, tensor_crcs, block_crcs = {}, {}, {}
+    sizes = {s["file"]: s.get("block_bytes") for e in manifest["parameters"].values()
+             for s in e["shards"] + e["copies"]}
     for file, info in sorted(manifest["files"].items()):
-        path = os.path.join(directory, file)
+        path = os.path.join(source, file)
         row = {"file": file, "rank": info["rank"], "bytes": info["bytes"], "crc32": info["crc32"],
                "status": "ok"}
         data["files"].append(row)
@@ -86,7 +95,8 @@ def inspect(directory: str, checksums: bool = True, progress=None) -> dict:
                 raise CheckpointIntegrityError(f"{path}: truncated: {headers[file][2]} bytes, the "
                                                f"manifest records {info['bytes']}.")
             if checksums:
-                got, tensor_crcs[file] = file_checksum(path, progress)
+                got, tensor_crcs[file], block_crcs[file] = file_checksum(
+                    path, progress, sizes.get(file) or BLOCK_BYTES)
                 if got != info["crc32"]:
                     raise CheckpointIntegrityError(f"{path}: checksum mismatch (crc32 {got}, the "
                                                    f"manifest records {info['crc32']}).")
@@ -113,9 +123,14 @@ def inspect(directory: str, checksums: bool = True, progress=None) -> dict:
             if tensor is None or tensor["shape"] != want or tensor["dtype"] != entry["dtype"]:
                 problems.append(f"parameter {name!r}: {shard['file']} holds "
                                 f"{tensor and (tensor['dtype'], tensor['shape'])}, expected "
-                                f"{(entry['dtype'], want)}")
+                                f"{(entry['dtype'], want)}: the checkpoint is corrupt")
             elif checksums and tensor_crcs[shard["file"]].get(shard["key"]) != shard["crc32"]:
                 problems.append(f"parameter {name!r}: checksum mismatch in {shard['file']}")
+            elif (checksums and shard.get("block_crc32") is not None
+                  and shard["block_bytes"] == (sizes.get(shard["file"]) or BLOCK_BYTES)
+                  and block_crcs[shard["file"]].get(shard["key"]) != shard["block_crc32"]):
+                problems.append(f"parameter {name!r}: the block checksums of {shard['file']} in "
+                                "the manifest disagree with its data (load would refuse it)")
         primary = {(s["dim"], str(s["ranges"])): s["crc32"] for s in entry["shards"]}
         for copy in entry["copies"]:
             if primary.get((copy["dim"], str(copy["ranges"]))) != copy["crc32"]:
@@ -156,6 +171,28 @@ def _piece_chunks(reader: CheckpointReader, name: str, piece: dict, progress,
             progress(chunk.nbytes)
 
 
+def _new_meta(params: dict, stages: dict, prefixes) -> dict:
+    """Layer, position and base of each parameter in the resharded manifest: positions
+    renumbered per new stage in the saved order, so that the output is what a save at
+    the new layout records (a format-1 source gets its layers from the names)."""
+    def key(n):
+        e = params[n]
+        return (e.get("stage", 0), -1 if e.get("position") is None else e["position"], n)
+
+    meta, count = {}, {}
+    model = [n for n in sorted(params, key=key) if params[n].get("base") not in params]
+    for name in model:
+        entry = params[name]
+        layer = entry["layer"] if "layer" in entry else layer_index(name, prefixes)
+        meta[name] = {"layer": layer, "position": count.get(stages[name], 0), "base": None}
+        count[stages[name]] = count.get(stages[name], 0) + 1
+    for name, entry in params.items():
+        if name not in meta:
+            base = meta[entry["base"]]
+            meta[name] = {"layer": base["layer"], "position": base["position"], "base": entry["base"]}
+    return meta
+
+
 def reshard(directory: str, out: str, layout, progress=None, verify: bool = True,
             workers: int = 2) -> dict:
     """Write the checkpoint as ``layout`` (a Layout) would have saved it.
@@ -176,11 +213,12 @@ def reshard(directory: str, out: str, layout, progress=None, verify: bool = True
     reader.check_files()
     params = reader.params
     saved = layout_from_dict(reader.manifest["layout"])
-    num_layers = count_layers(params)
+    stages = place_stages(params, saved.pp, layout.pp)
+    meta = _new_meta(params, stages, reader.manifest.get("layer_prefixes") or ["layers"])
     plan = {}  # rank -> [(name, piece)]
     for name, entry in params.items():
         axis = entry["sharding"].get("axis")
-        stage = stage_for(name, entry.get("stage", 0), saved.pp, layout.pp, num_layers)
+        stage = stages[name]
         for rank in range(layout.world_size):
             if layout.coords(rank)["pp"] == stage and writes(layout, rank, axis):
                 piece = piece_for(name, entry["shape"], entry["sharding"], layout, rank)
@@ -198,7 +236,8 @@ def reshard(directory: str, out: str, layout, progress=None, verify: bool = True
                           [(n, params[n]["dtype"], params[n]["shape"], params[n]["sharding"], p,
                             None) for n, p in items],
                           chunks=lambda n: _piece_chunks(reader, n, pieces[n], progress,
-                                                         RESHARD_SLAB_BYTES, scratch))
+                                                         RESHARD_SLAB_BYTES, scratch),
+                          meta=meta)
     try:
         if workers == 1:
             for rank in range(layout.world_size):
@@ -214,7 +253,8 @@ def reshard(directory: str, out: str, layout, progress=None, verify: bool = True
                         future.cancel()
                     raise
         manifest = finish(str(out), layout.world_size, layout.to_dict(),
-                          reader.manifest.get("step"), reader.manifest.get("extra"))
+                          reader.manifest.get("step"), reader.manifest.get("extra"),
+                          reader.manifest.get("layer_prefixes"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

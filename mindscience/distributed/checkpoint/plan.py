@@ -13,9 +13,22 @@ element is written once per pipeline stage holding it. Example, tp2 x dp2 (order
 tp-cp-dp-pp): ranks 0 and 1 (dp 0) write their tp shards of a column weight, rank 0
 alone writes a replicated LayerNorm weight, ranks 2 and 3 write nothing.
 
-Pipeline stages of a new layout (offline reshard with another pp): parameters named
-``layers.<i>.`` anywhere in their global name go to stage ``i * pp // L`` (``L`` the
-number of layer indices), the others keep their first/last-stage role.
+Pipeline stages of a new layout (offline reshard with another pp), :func:`place_stages`:
+
+* a parameter of global layer ``i`` (the manifest's ``layer``: the index after one of the
+  prefixes given to ``set_global_layer_names``, ``layers`` by default, recorded at save)
+  goes to stage ``i * pp // L``, ``L`` the number of layers (the last index + 1);
+* the others go by their place in the saved parameter order (stage by stage, then
+  ``position``, the order of ``cell.parameters_and_names()``): before the first layer's
+  parameters (an embedding) -> the first stage; after the last layer's (a final norm, an
+  output head) -> the last stage; between two layers -> the stage of the layer before;
+* optimizer state (a ``base`` parameter recorded) goes with its parameter; state with no
+  parameter (a step counter, the learning rate) by its own position (in a pp1 save it
+  comes after the model's parameters: the last stage). ``load`` finds a parameter in any
+  file, so this placement decides only which rank file holds what.
+
+A version-1 manifest records no layer nor position: the layer is read from
+``layers.<i>`` in the name, and the others keep their saved first/last-stage role.
 """
 
 from __future__ import annotations
@@ -26,9 +39,24 @@ from ..sharding import local_slices
 from ..topology.layout import Layout
 from .errors import CheckpointError
 
-__all__ = ["layout_from_dict", "piece_for", "local_shape", "writes", "stage_for", "LAYER_RE"]
+__all__ = ["layout_from_dict", "piece_for", "local_shape", "writes", "stage_for", "place_stages",
+           "layer_index", "LAYER_RE"]
 
 LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
+
+
+def _prefix_re(prefix: str):
+    return re.compile(r"(^|\.)" + re.escape(prefix) + r"\.(\d+)(?=\.|$)")
+
+
+def layer_index(name: str, prefixes=("layers",)):
+    """The global layer index in ``name``: the number after the first of ``prefixes``
+    found (``"net.blocks.3.w"`` with prefix ``blocks`` -> 3), or None."""
+    for prefix in prefixes:
+        m = _prefix_re(prefix).search(name)
+        if m:
+            return int(m.group(2))
+    return None
 
 
 def layout_from_dict(data: dict) -> Layout:
@@ -118,8 +146,37 @@ def count_layers(names) -> int:
     return max(idx) + 1 if idx else 0
 
 
+def place_stages(params: dict, saved_pp: int, new_pp: int) -> dict:
+    """{name: stage under ``new_pp`` stages} for a manifest's ``parameters`` (the rules in
+    the module doc)."""
+    if new_pp == saved_pp:
+        return {n: e.get("stage", 0) for n, e in params.items()}
+    if any(e.get("position") is None or "layer" not in e for e in params.values()):
+        num = count_layers(params)  # format 1
+        return {n: stage_for(n, e.get("stage", 0), saved_pp, new_pp, num) for n, e in params.items()}
+    layers = [e["layer"] for e in params.values() if e["layer"] is not None]
+    num = max(layers) + 1 if layers else 0
+    # The model's parameters (no base) in saved order; state follows its base.
+    model = sorted((n for n, e in params.items() if not e.get("base") or e["base"] not in params),
+                   key=lambda n: (params[n].get("stage", 0), params[n]["position"], n))
+    at = [i for i, n in enumerate(model) if params[n]["layer"] is not None]
+    out, last = {}, None
+    for i, name in enumerate(model):
+        layer = params[name]["layer"]
+        if layer is not None:
+            last = out[name] = layer * new_pp // num
+        elif not at or i < at[0]:
+            out[name] = 0
+        else:
+            out[name] = new_pp - 1 if i > at[-1] else last
+    for name, entry in params.items():
+        if name not in out:
+            out[name] = out[entry["base"]]
+    return out
+
+
 def rename_layers(name: str, offset: int, prefix: str = "layers") -> str:
     """``name`` with the index after ``<prefix>.`` shifted by ``offset``:
     ``rename_layers("net.layers.1.w", 4)`` -> ``"net.layers.5.w"``."""
-    pattern = re.compile(r"(^|\.)" + re.escape(prefix) + r"\.(\d+)(?=\.|$)")
+    pattern = _prefix_re(prefix)
     return pattern.sub(lambda m: f"{m.group(1)}{prefix}.{int(m.group(2)) + offset}", name, count=1)
