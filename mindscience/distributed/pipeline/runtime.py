@@ -19,13 +19,26 @@ step            what this rank does
 ==============  ===============================================================================
 
 Execution: ``mode="pynative"`` runs the stage eagerly; ``mode="jit"`` compiles the stage's
-forward and its backward (``ms.jit`` of the forward and of the ``ms.grad`` function), once
-per stage, shape and schedule; the schedule itself is Python.
+forward and its backward (``ms.jit``), the parameter gradients summed over micro-batches
+inside the compiled backward; the schedule itself is Python. The functions are cached on
+the stage cell (:mod:`.stage_fns`): rebuilt when its trainable parameters change, and per
+``loss_fn`` object, so pass the same ``loss_fn`` every step (a fresh closure is traced, and
+under jit compiled, again at each call; MindSpore 2.10 keeps every compiled function, and
+the cell it calls, for the life of the process).
 
-Shapes: the first call of a (group, schedule, micro-batches, chunks) combination exchanges
-a small header with every transfer (both ends check shape and dtype and raise the same
-:class:`~mindscience.distributed.p2p.P2PMismatchError`, nobody hangs); the receiver learns
-the shape there when ``activation_shape`` is None. Later calls move the payload only.
+Shapes: the first call of a (group, schedule, micro-batches, chunks, mode,
+activation_shape) combination exchanges a small header with every transfer (both ends
+check shape and dtype and raise the same
+:class:`~mindscience.distributed.p2p.P2PMismatchError`, nobody hangs) after one small sum
+over the group in which the ranks agree on schedule, m and v and report bad data (so
+every rank raises together); the receiver learns the shape there when
+``activation_shape`` is None. Later calls move the payload only: the sending rank checks
+that each tensor still has the first call's shape and dtype and raises
+:class:`PipelineError` otherwise, alone (the receiver cannot know without a collective).
+The others wait in their next transfer until the job ends: ``msrun --join=True`` kills
+them as soon as the raising rank exits (measured: within the second; msrun itself exits
+30 s later, when its scheduler times the rank out). First-stage inputs must share one
+shape and dtype.
 
 Example, pp = 2, 4 micro-batches (every rank runs the same call)::
 
@@ -38,25 +51,15 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+from mindspore import ops
 
 from .. import collectives as C
 from .. import p2p
+from .arguments import MODES, PipelineError, check_activation_shape, check_args, data_problem
 from .schedules import SCHEDULES, build
+from .stage_fns import cache_of, stage_fns
 
-__all__ = ["forward_backward", "PipelineError", "stage_parameters", "last_peak"]
-
-MODES = ("pynative", "jit")
-
-
-class PipelineError(ValueError):
-    """Invalid arguments to :func:`forward_backward` (raised before any transfer)."""
-
-
-# Compiled functions stay alive for the process (MindSpore caches them by identity).
-_COMPILED: dict = {}
-_LEARNED: dict = {}  # (group, schedule, m, v, mode, cells) -> {(direction, peer, chunk): (shape, dtype)}
-
+__all__ = ["forward_backward", "PipelineError", "stage_parameters", "last_peak", "MODES"]
 
 _LAST: dict = {}
 # Benchmarks set TIMING["intervals"] = [] to get (kind, start, end) of every step, each
@@ -93,80 +96,30 @@ def _pp_group(group):
     return manager.get_pipeline_parallel_group()
 
 
-def _check_args(stage, inputs, targets, loss_fn, schedule, mode):
-    if schedule not in SCHEDULES:
-        raise PipelineError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}.")
-    if mode not in MODES:
-        raise PipelineError(f"mode={mode!r} is invalid: expected one of {', '.join(MODES)}.")
-    if schedule == "interleaved":
-        if not isinstance(stage, (list, tuple)) or not stage or not all(isinstance(c, nn.Cell) for c in stage):
-            raise PipelineError(
-                "schedule='interleaved' needs stage = a list of the v model chunks (nn.Cell) this "
-                f"rank holds, got {type(stage).__name__}.")
-    elif not isinstance(stage, nn.Cell):
-        raise PipelineError(
-            f"stage must be this rank's nn.Cell for schedule={schedule!r}, got "
-            f"{type(stage).__name__} (a list of chunks needs schedule='interleaved').")
-    if not isinstance(inputs, (list, tuple)) or not inputs:
-        raise PipelineError("inputs must be a non-empty list of micro-batches (entries may be None "
-                            "on stages other than the first).")
-    if not isinstance(targets, (list, tuple)) or len(targets) != len(inputs):
-        raise PipelineError(
-            f"targets must be a list as long as inputs ({len(inputs)} micro-batches), got "
-            f"{len(targets) if isinstance(targets, (list, tuple)) else type(targets).__name__}.")
-    if not callable(loss_fn):
-        raise PipelineError("loss_fn must be callable: loss_fn(output, target) -> scalar.")
+def _agree(g, m, v, schedule, problem) -> None:
+    """Every pp rank runs the same schedule, micro-batches and chunks, and has good data.
 
-
-def _agree(g, m, v, schedule) -> None:
-    """Every pp rank runs the same schedule, micro-batches and chunks (checked once)."""
-    mine = np.zeros((g.size, 3), np.float32)
-    mine[g.rank] = (m, v, SCHEDULES.index(schedule))
+    One small sum over the group at the first call of a configuration. A rank whose own
+    micro-batches are bad (``problem``) takes part all the same, so that every rank raises
+    here instead of waiting for it in a transfer.
+    """
+    mine = np.zeros((g.size, 4), np.float32)
+    mine[g.rank] = (m, v, SCHEDULES.index(schedule), problem is not None)
     got = C.all_reduce(ms.Tensor(mine), g).asnumpy()
-    if not (got == got[0]).all():
+    if problem is not None:
+        raise PipelineError(problem)
+    bad = [r for r in range(g.size) if got[r, 3]]
+    if bad:
+        raise PipelineError(
+            f"forward_backward: pipeline rank(s) {bad} of {g.size} passed bad micro-batches "
+            "(inputs on the first stage, targets on the last; their own error says which), "
+            "so no rank starts the step.")
+    if not (got[:, :3] == got[0, :3]).all():
         table = "; ".join(f"pipeline rank {r}: m={int(a)} v={int(b)} {SCHEDULES[int(c)]}"
-                          for r, (a, b, c) in enumerate(got))
+                          for r, (a, b, c, _) in enumerate(got))
         raise PipelineError(
             "forward_backward: the pipeline ranks disagree on the schedule, the number of "
             f"micro-batches or of model chunks ({table}); every rank must pass the same.")
-
-
-class _StageFns:
-    """The forward, backward and last-stage loss functions of one chunk, eager or compiled."""
-
-    def __init__(self, cell, loss_fn, scale, mode, first, last):
-        self.cell = cell
-        self.params = cell.trainable_params()
-        weights = self.params if self.params else None
-        cell_ref = cell
-
-        def forward(x):
-            return cell_ref(x)
-
-        def vjp(x, dy):
-            return (cell_ref(x).astype(ms.float32) * dy.astype(ms.float32)).sum()
-
-        def loss(x, t):
-            return loss_fn(cell_ref(x), t) * scale
-
-        pos = None if first else 0
-        self.forward = forward
-        self.backward = ms.grad(vjp, grad_position=pos, weights=weights)
-        self.loss = ms.value_and_grad(loss, grad_position=pos, weights=weights)
-        if mode == "jit":
-            self.forward = ms.jit(forward)
-            self.backward = ms.jit(self.backward)
-            self.loss = ms.jit(self.loss)
-        self.first = first
-        self.keep = (forward, vjp, loss, self.forward, self.backward, self.loss)
-
-    def split(self, grads):
-        """``(input grad or None, parameter grads)`` from a grad function's result."""
-        if self.first:
-            return None, tuple(grads) if self.params else ()
-        if not self.params:
-            return grads, ()
-        return grads[0], tuple(grads[1])
 
 
 def _links(g, p, i, ring):
@@ -196,63 +149,69 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
         stage: This rank's ``nn.Cell``; for ``schedule="interleaved"`` the list of the v
             model chunks it holds (chunk c of pipeline rank i is model stage ``c * p + i``,
             Megatron's interleaved assignment).
-        inputs: The micro-batches, read on the first stage; other stages pass a list of
-            the same length (entries may be None).
-        targets: Read on the last stage (entries may be None elsewhere).
-        loss_fn: ``loss_fn(output, target) -> scalar`` (the mean over a micro-batch).
+        inputs: The micro-batches, read on the first stage (Tensors of one shape and
+            dtype); other stages pass a list of the same length (entries may be None).
+        targets: Read on the last stage (Tensors; entries may be None elsewhere).
+        loss_fn: ``loss_fn(output, target) -> scalar`` (the mean over a micro-batch). Pass
+            the same object every step: a new one (a fresh ``lambda`` or closure per call)
+            is traced again, and under ``mode="jit"`` compiled again, at every call.
         schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved"`` (m % p == 0).
-        activation_shape: Shape of the tensor between stages; None = learned from the
-            first call's headers. Either way the first call checks both ends.
+        activation_shape: Shape of the tensor between stages (a tuple of positive ints);
+            None = learned from the first call's headers. Either way the first call of a
+            configuration checks both ends; later calls check on the sending side that
+            what it sends still has the shape and dtype of the first call.
         mode: ``"pynative"`` or ``"jit"`` (the stage's forward and backward compiled).
         group: The pipeline group; default the manager's ``pp`` group.
 
     Returns:
         ``(loss, grads)``: ``loss`` the mean over micro-batches (a float32 scalar tensor,
         the same on every rank of the pipeline group); ``grads`` the gradients of that loss
-        for :func:`stage_parameters` ``(stage)``, summed over micro-batches.
+        for :func:`stage_parameters` ``(stage)``, summed over micro-batches (inside the
+        compiled backward under ``mode="jit"``, in place in PyNative).
 
     Raises:
-        PipelineError: bad arguments, or ranks that disagree on schedule / m / v.
+        PipelineError: bad arguments (before any transfer; at the first call of a
+            configuration every rank raises, later only the rank with the bad data), ranks
+            that disagree on schedule / m / v, or a stage whose activation or input
+            gradient changed shape or dtype since the first call (raised by the sending
+            rank alone; under ``msrun --join=True`` its exit ends the job).
         ScheduleError: m not a multiple of p for "interleaved".
         P2PMismatchError: the stages' tensors disagree in shape or dtype (first call).
     """
-    _check_args(stage, inputs, targets, loss_fn, schedule, mode)
+    check_args(stage, inputs, targets, loss_fn, schedule, mode)
+    shape = check_activation_shape(activation_shape)
     g = _pp_group(group)
     p, i = g.size, g.rank
     cells = list(stage) if schedule == "interleaved" else [stage]
     m, v = len(inputs), len(cells)
     sched = build(schedule, p, m, v)
-    # Per model too: another stage (or another activation_shape) learns its shapes anew.
-    key = (g.ranks, schedule, m, v, mode, tuple(id(c) for c in cells),
-           None if activation_shape is None else tuple(activation_shape))
-    learned = _LEARNED.get(key)
-    first_call = learned is None
-    if first_call:
-        if p > 1:
-            _agree(g, m, v, schedule)
-        learned = {}
+    problem = data_problem(inputs, targets, i == 0, i == p - 1, p, i)
+    # The shapes learned at the first call live on the (first) chunk: they die with it.
+    # The other chunks are kept with them, so their ids in the key stay theirs.
+    learned_all = cache_of(cells[0]).learned
+    key = (g.ranks, schedule, m, v, mode, tuple(id(c) for c in cells[1:]), shape)
+    entry = learned_all.get(key)
+    first_call = entry is None
+    if first_call and p > 1:
+        _agree(g, m, v, schedule, problem)
+    if problem is not None:
+        raise PipelineError(problem)
+    learned = {} if first_call else entry["specs"]
     stages = p * v
-    fns = []
-    for c, cell in enumerate(cells):
-        gidx = c * p + i
-        fkey = (id(cell), m, mode, gidx == 0, gidx == stages - 1)  # any schedule
-        f = _COMPILED.get(fkey)
-        if f is None:
-            f = _StageFns(cell, loss_fn, 1.0 / m, mode, gidx == 0, gidx == stages - 1)
-            _COMPILED[fkey] = f
-        fns.append(f)
+    fns = [stage_fns(cell, loss_fn, mode, c * p + i == 0, c * p + i == stages - 1)
+           for c, cell in enumerate(cells)]
     links = _links(g, p, i, ring=v > 1) if p > 1 else {}
-    run = _Run(sched, g, p, i, v, fns, inputs, targets, links, learned, first_call,
-               activation_shape)
+    run = _Run(sched, g, p, i, v, fns, inputs, targets, links, learned, first_call, shape)
     run.execute()
     _LAST["peak"] = run.peak
-    _LEARNED[key] = learned
+    if first_call:
+        learned_all[key] = {"specs": learned, "chunks": tuple(cells[1:])}
     loss = run.loss
     if p > 1:
         loss = C.all_reduce(loss, g)
     grads = []
-    for acc, f in zip(run.grads, fns):
-        grads.extend(acc if acc is not None else tuple(ops.zeros(q.shape, q.dtype) for q in f.params))
+    for acc in run.grads:
+        grads.extend(acc)
     return loss, tuple(grads)
 
 
@@ -263,14 +222,15 @@ class _Run:
         self.sched, self.g, self.p, self.i, self.v = sched, g, p, i, v
         self.fns, self.inputs, self.targets = fns, inputs, targets
         self.links, self.learned, self.check = links, learned, check
-        self.shape = None if shape is None else tuple(int(d) for d in shape)
+        self.shape = shape
         self.stages = p * v
         self.kept = {}      # (j, c) -> stage input (until B)
         self.out = {}       # ("F"|"B", j, c) -> tensor to send
         self.got = {}       # ("F"|"B", j, c) -> received (or local) tensor
         self.dx = {}        # (j, c) -> last stage's input gradient, from F
-        self.grads = [None] * v
-        self.loss = ms.Tensor(0.0, ms.float32)
+        self.grads = [f.zeros() for f in fns]  # per chunk, the parameter-gradient sums
+        self.loss = ops.zeros((), ms.float32)
+        self.scale = ms.Tensor(1.0 / len(inputs), ms.float32)
         self.in_flight = [0] * v
         self.peak = 0
 
@@ -288,10 +248,6 @@ class _Run:
             if timing is not None:
                 timing.append((a.kind, t0, _now()))
 
-    def _accumulate(self, c, grads):
-        acc = self.grads[c]
-        self.grads[c] = grads if acc is None else tuple(x + y for x, y in zip(acc, grads))
-
     def _deliver(self, kind, j, gidx, tensor):
         """Keep ``tensor`` to send, or hand it to this rank's next chunk (p == 1)."""
         nxt = gidx + 1 if kind == "F" else gidx - 1
@@ -305,10 +261,8 @@ class _Run:
         f = self.fns[c]
         x = self.inputs[j] if gidx == 0 else self.got.pop(("F", j, c))
         if gidx == self.stages - 1:
-            value, grads = f.loss(x, self.targets[j])
-            dx, dparams = f.split(grads)
-            self.loss = self.loss + value.astype(ms.float32)
-            self._accumulate(c, dparams)
+            dx, self.grads[c], self.loss = f.loss(x, self.targets[j], self.scale, self.grads[c],
+                                                  self.loss)
             self.dx[(j, c)] = dx
         else:
             self.kept[(j, c)] = x
@@ -324,11 +278,35 @@ class _Run:
         else:
             x = self.kept.pop((j, c))
             dy = self.got.pop(("B", j, c))
-            dx, dparams = f.split(f.backward(x, dy))
-            self._accumulate(c, dparams)
+            dx, self.grads[c] = f.backward(x, dy, self.grads[c])
         self.in_flight[c] -= 1
         if gidx > 0:
             self._deliver("B", j, gidx, dx)
+
+    def _check_send(self, a, peer, send):
+        """The tensor sent must have the first call's shape and dtype (the receiver uses them).
+
+        Local (no collective): the receiver cannot know, so this rank raises alone.
+        """
+        key = (a.kind, peer, a.chunk)
+        now = (tuple(send.shape), send.dtype)
+        if self.check:
+            self.learned[key] = now
+            return
+        want = self.learned.get(key)
+        if want is None or want == now:
+            return
+        what = "activation" if a.kind == "SEND_F" else "input gradient"
+        raise PipelineError(
+            f"pipeline rank {self.i} (model stage {a.chunk * self.p + self.i}, "
+            f"{self.sched.name}) is about to send the {what} of micro-batch {a.microbatch} "
+            f"with shape {now[0]} {now[1]} to pipeline rank {peer}, which receives shape "
+            f"{want[0]} {want[1]} (exchanged at the first call of this configuration): a "
+            "stage's output changed shape or dtype between steps. Keep the micro-batch "
+            "shapes fixed, or pass activation_shape=<the new shape> on every rank for such "
+            "steps (each distinct activation_shape exchanges shapes once). This rank stops "
+            "here, alone: the others wait for it until the job ends (msrun --join=True "
+            "kills the other ranks when one exits with an error).")
 
     def transfer(self, step):
         peer = step[0].peer
@@ -337,6 +315,7 @@ class _Run:
         for a in step:
             if a.kind.startswith("SEND"):
                 send = self.out.pop((a.kind[-1], a.microbatch, a.chunk))
+                self._check_send(a, peer, send)
             else:
                 recv = a
         spec = None

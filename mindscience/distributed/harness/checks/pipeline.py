@@ -9,6 +9,14 @@
     micro-batches) for each schedule and mode against the dense model computed by every
     rank in numpy-free MindSpore on its own (the loss and this stage's gradients), plus
     the memory bound: the runtime's peak of kept micro-batches equals the schedule's.
+
+``pipeline.errors``
+    Bad data at the first call of a configuration: stage 0 passes a None micro-batch, or
+    the last stage a None target: EVERY rank raises ``PipelineError`` (the bad rank its own
+    message, the others one naming it), nobody waits in a transfer; a bad
+    ``activation_shape`` raises on every rank before any collective. Then, on the same
+    stage, a step with the MSE loss and one with an L1 loss: each against the dense model
+    (a new ``loss_fn`` is used, not the first call's). Records ``pipeline.error.<name>``.
 """
 
 from __future__ import annotations
@@ -47,12 +55,10 @@ def pipeline_step(ctx: CheckContext, schedules=("1f1b", "gpipe", "interleaved"),
                                                             microbatches, dim))
 
 
-def _steps(manager, schedules, modes, m, dim):
+def _toy_model(dim):
+    """``(Toy, mse)``: a stage of ``tanh(x @ w_k)`` layers (weights :func:`_toy`), a loss."""
     import mindspore as ms
     from mindspore import mint, nn
-
-    from mindscience.distributed.pipeline import forward_backward, runtime
-    from mindscience.distributed.pipeline.schedules import build
 
     class Toy(nn.Cell):
         def __init__(self, layers, seed):
@@ -67,6 +73,17 @@ def _steps(manager, schedules, modes, m, dim):
 
     def loss_fn(out, t):
         return mint.mean((out - t) ** 2)
+
+    return Toy, loss_fn
+
+
+def _steps(manager, schedules, modes, m, dim):
+    import mindspore as ms
+
+    from mindscience.distributed.pipeline import forward_backward, runtime
+    from mindscience.distributed.pipeline.schedules import build
+
+    Toy, loss_fn = _toy_model(dim)
 
     g = manager.get_pipeline_parallel_group()
     p, i = g.size, g.rank
@@ -110,6 +127,76 @@ def _steps(manager, schedules, modes, m, dim):
                 "schedule_peak": expect_peak,
                 "passed": bool(max(lerr, gerr) <= 1e-5 and peak == expect_peak),
             })
+    return records
+
+
+@check("pipeline.errors")
+def pipeline_errors(ctx: CheckContext, microbatches=4, dim=4, layout=None) -> list:
+    """Bad first-call data raises on every rank; a new loss_fn on the same stage is used."""
+    return under_layout(ctx, layout, lambda manager: _errors(manager, microbatches, dim))
+
+
+def _errors(manager, m, dim):
+    import mindspore as ms
+    from mindspore import mint
+
+    from mindscience.distributed.pipeline import PipelineError, forward_backward
+
+    Toy, mse = _toy_model(dim)
+
+    def l1(out, t):
+        return mint.mean(mint.abs(out - t))
+
+    g = manager.get_pipeline_parallel_group()
+    p, i = g.size, g.rank
+    rng = np.random.default_rng(7)
+    xs = [ms.Tensor(rng.standard_normal((2, dim)).astype(np.float32)) for _ in range(m)]
+    ts = [ms.Tensor(rng.standard_normal((2, dim)).astype(np.float32)) for _ in range(m)]
+    inputs = xs if i == 0 else [None] * m
+    targets = ts if i == p - 1 else [None] * m
+    records = []
+
+    def rec(name, ok, msg, err=0.0):
+        records.append({"check": f"pipeline.error.{name}", "group": "pp", "group_size": p,
+                        "passed": bool(ok), "max_error": err if ok else None, "message": msg})
+
+    def raises(fn, *needles):
+        try:
+            fn()
+        except PipelineError as exc:
+            text = str(exc)
+            return all(n in text for n in needles), text
+        except Exception as exc:  # noqa: BLE001 - reported as a failure
+            return False, f"{type(exc).__name__}: {exc}"
+        return False, "no exception"
+
+    # Each case on a new stage: the first call of its configuration (headers, agreement).
+    bad_in = [None] + inputs[1:] if i == 0 else inputs
+    want = ("inputs[0] is None",) if i == 0 else (f"pipeline rank(s) [0] of {p}",)
+    rec("bad_input_every_rank", *raises(
+        lambda: forward_backward(Toy([i], 0), bad_in, targets, mse), *want))
+    bad_t = targets[:-1] + [None] if i == p - 1 else targets
+    want = (f"targets[{m - 1}] is None",) if i == p - 1 else (f"pipeline rank(s) [{p - 1}] of {p}",)
+    rec("bad_target_every_rank", *raises(
+        lambda: forward_backward(Toy([i], 0), inputs, bad_t, mse), *want))
+    rec("bad_activation_shape", *raises(
+        lambda: forward_backward(Toy([i], 0), inputs, targets, mse, activation_shape=5),
+        "activation_shape=5 is invalid"))
+    # One stage, two losses: each step against the dense model of the p layers.
+    stage = Toy([i], 0)
+    dense = Toy(range(p), 0)
+    params = dense.trainable_params()
+    for name, loss_fn in (("mse", mse), ("l1_after_mse", l1), ("mse_again", mse)):
+        def dense_loss(*a, loss_fn=loss_fn):
+            return sum(loss_fn(dense(a[j]), a[m + j]) for j in range(m)) / m
+
+        want_loss, want_grads = ms.value_and_grad(dense_loss, None, params)(*xs, *ts)
+        loss, grads = forward_backward(stage, inputs, targets, loss_fn)
+        lerr = abs(float(loss.asnumpy()) - float(want_loss.asnumpy()))
+        gerr = float(np.abs(grads[0].asnumpy() - want_grads[i].asnumpy()).max())
+        err = max(lerr, gerr)
+        rec(f"loss_fn_{name}", err <= 1e-5, f"loss {float(loss.asnumpy()):.6f} vs dense "
+            f"{float(want_loss.asnumpy()):.6f}, grad error {gerr:.2e}", err)
     return records
 
 
