@@ -95,8 +95,9 @@ def test_interleaved_bubble_is_divided_by_the_chunks():
     assert a["breakdown"]["compute_s"] == pytest.approx(b["breakdown"]["compute_s"])
     assert b["breakdown"]["bubble_s"] == pytest.approx(b["breakdown"]["compute_s"] * 1 / (2 * 4))
     assert b["breakdown"]["bubble_s"] == pytest.approx(a["breakdown"]["bubble_s"] / 2)
-    # v*m + p - 1 = 9 chunk slots send on the critical path (1F1B: 5).
-    assert b["breakdown"]["pp_s"] == pytest.approx(2 * 9 * (10e-6 + 64 / 1e9))
+    # v times the transfers of 1F1B: 2 * v * (m + p - 1) = 2 * 2 * 5 = 20 (1F1B: 10).
+    assert a["breakdown"]["pp_s"] == pytest.approx(10 * (10e-6 + 64 / 1e9))
+    assert b["breakdown"]["pp_s"] == pytest.approx(20 * (10e-6 + 64 / 1e9))
 
 
 def test_tp_latency_and_bandwidth_terms():

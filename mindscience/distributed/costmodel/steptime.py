@@ -12,8 +12,10 @@ For the busiest pipeline stage of a layout (sources and derivations in docs/COST
   ``(p - 1) / v`` (Narayanan et al. 2021, sec. 2.2): ``bubble_s = compute_s * (p - 1) / (v * m)``.
 * **tp, cp**: every collective of the stage is on the critical path: ``calls * latency +
   bytes / bandwidth`` (alpha-beta, the bandwidth and latency of the link the group uses).
-* **pp**: each of the ``v * m + p - 1`` slots of the schedule sends one activation forward
-  and one gradient backward on the critical path.
+* **pp**: each of the ``m + p - 1`` slots of 1F1B sends one activation forward and one
+  gradient backward on the critical path; the interleaved schedule moves every micro-batch
+  across ``v`` times as many stage boundaries, so ``v`` times the transfers (Narayanan et
+  al. 2021, sec. 2.2): ``2 * v * (m + p - 1)`` transfers (:func:`pipeline_transfers`).
 * **dp**: the dp-cp gradient reduction (reduce-scatter + all-gather with the distributed
   optimizer); with ``overlap_grad_reduce`` only what exceeds the backward of the last
   micro-batch is exposed.
@@ -114,6 +116,23 @@ def pipeline_slots(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
     return virtual_stages * microbatches + pp - 1 if pp > 1 else microbatches
 
 
+def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """Point-to-point transfers on the busiest stage's critical path: ``2 * v * (m + p - 1)``.
+
+    1F1B (``v = 1``): one activation forward and one gradient backward per slot, ``m + p - 1``
+    slots. Interleaved: each micro-batch crosses ``v`` times as many stage boundaries, ``v``
+    times the transfers. Against the action lists of :mod:`mindscience.distributed.pipeline`
+    (their busiest rank's exchange steps): 1F1B within one transfer; interleaved on 4 stages,
+    ``v = 2``, 28 / 44 / 76 against 32 / 60 / 124 for ``m`` = 4 / 8 / 16, because a chunk's
+    send and the next receive pair with different neighbours and do not merge into one
+    exchange (docs/BENCHMARKS.md, "Step-time model against the measurement").
+
+        >>> pipeline_transfers(4, 8), pipeline_transfers(4, 8, 2), pipeline_transfers(1, 8)
+        (22, 44, 0)
+    """
+    return 2 * virtual_stages * (microbatches + pp - 1) if pp > 1 else 0
+
+
 def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp: int, cp: int, pp: int, dp: int,
               crossing: dict | None = None, rows: list[dict] | None = None) -> dict:
     """The step time of one layout and its exposed breakdown.
@@ -149,7 +168,7 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
         sp = training.sequence_parallel and tp > 1
         message = model.seq_length // cp * training.micro_batch_size * model.hidden_size
         message = message * BYTES[training.precision]["activation"] // (tp if sp else 1)
-        pp_s = 2 * pipeline_slots(pp, m, v) * (latency + message / bandwidth)
+        pp_s = pipeline_transfers(pp, m, v) * (latency + message / bandwidth)
     dp_reduce = collective_seconds(rows, "dp-cp", cluster, bool(crossing.get("dp-cp")))
     hidden = flops["backward"] / rate if training.overlap_grad_reduce else 0.0
     dp_s = max(0.0, dp_reduce - hidden)
