@@ -86,6 +86,9 @@ SPEC_4 = {
         {"name": "checkpoint.layout_change", "params": {"first": {"tp": 2},
                                                          "others": [{"tp": 4}, {"tp": 1}],
                                                          "pipelines": [{"tp": 2, "pp": 2}]}},
+        # the example transformer (4 layers, AdamW, PyNative): train 2 steps at tp2 x dp2, save,
+        # resume 2 steps at tp4, tp1 x dp4 and tp2 x pp2 (1F1B, 2 micro-batches).
+        {"name": "checkpoint.resume_transformer", "params": {"steps": 2}},
     ],
 }
 # Pipeline parallelism (issue 20) inside the same 8-rank job: p2p on 2 stages (tp2 x cp2 x pp2)
@@ -101,12 +104,14 @@ PIPELINE_CHECKS_8 = [
                                     "modes": ["jit", "graph"]}},
     {"name": "p2p.pipeline", "params": {}},
     {"name": "p2p.errors", "params": {}},
+    {"name": "pipeline.errors", "params": {}},
     {"name": "pipeline.step", "params": {"modes": ["pynative"]}},
     {"name": "training.finalize_embedding", "params": {"modes": ["pynative"]}},
     {"name": "p2p.ring", "params": {"layout": PP4, "groups": ["pp"], "offsets": [1, -1, 2],
                                     "dtypes": ["float32", "bfloat16"], "modes": ["pynative"]}},
     {"name": "p2p.pipeline", "params": {"layout": PP4}},
     {"name": "p2p.errors", "params": {"layout": PP4}},
+    {"name": "pipeline.errors", "params": {"layout": PP4}},
     {"name": "pipeline.step", "params": {"layout": PP4, "modes": ["pynative"]}},
     {"name": "pipeline.step", "params": {"layout": PP4, "modes": ["jit"], "schedules": ["1f1b"]}},
     {"name": "training.finalize_embedding", "params": {"layout": PP4, "modes": ["pynative", "jit"]}},
@@ -463,6 +468,22 @@ def test_8ranks_p2p_mismatches_raise_on_both_ends(job8, stages):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("stages", [2, 4])
+def test_8ranks_forward_backward_bad_input_raises_on_every_rank(job8, stages):
+    """forward_backward on 2 and 4 stages: a None input on the first stage or target on the
+    last raises a PipelineError on EVERY rank of the pipeline (the bad rank names the index,
+    the others the bad rank), a non-shape activation_shape is refused, and a new loss_fn on
+    the same stage is used (MSE, then L1, then MSE again, each against the dense model)."""
+    recs = [r for r in _pp(job8, "pipeline.error") if r["group_size"] == stages]
+    assert {r["check"] for r in recs} == {f"pipeline.error.{n}" for n in (
+        "bad_input_every_rank", "bad_target_every_rank", "bad_activation_shape",
+        "loss_fn_mse", "loss_fn_l1_after_mse", "loss_fn_mse_again")}
+    assert len(recs) == 8 * 6
+    _assert_passed(recs, f"forward_backward errors on {stages} stages")
+    assert all(r["max_error"] <= 1e-5 for r in recs if r["check"].startswith("pipeline.error.loss_fn"))
+
+
+@pytest.mark.multiprocess
 def test_8ranks_embedding_group_finalizer(job8):
     recs = _pp(job8, "training.finalize_embedding")
     assert len(recs) == 8 * 3  # pp2 (pynative), pp4 (pynative and jit)
@@ -741,6 +762,39 @@ def test_checkpoint_survives_a_layout_change(job4):
     assert len(stages) == 4 and all(r["state_bit_exact"] for r in stages)
     assert {r["group"] for r in stages} == {"tp2-cp1-dp1-pp2:tp-cp-dp-pp"}
     assert all(r["loaded"] == 17 for r in stages)  # one layer: 5 tensors x (value, m, v) + 2 counters
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_resumes_the_transformer_at_other_layouts_and_pipelined(job4):
+    """examples/train_pipeline.py's 4-layer transformer trained 2 steps at tp2 x dp2 and
+    saved (model + AdamW moments + step counter), loaded from another seed's model at tp4,
+    tp1 x dp4 and tp2 x pp2 (each stage its 2 layers, named globally; 1F1B over 2
+    micro-batches): the next 2 losses equal the uninterrupted run's within 1e-6."""
+    recs = [r for r in job4.all() if r["check"] == "checkpoint.resume_transformer"]
+    assert len(recs) == 4 * 4
+    _assert_passed(recs, "checkpoint resume of the transformer")
+    by_role = {}
+    for r in recs:
+        by_role.setdefault(r["role"], []).append(r)
+    want = by_role["uninterrupted"][0]["losses"]
+    assert len(want) == 2 and want[0] != want[1]  # training moved
+    assert all(r["losses"] == want and r["group"] == "tp2-cp1-dp2-pp1:tp-cp-dp-pp"
+               for r in by_role["uninterrupted"])
+    resumed = by_role["resumed"] + by_role["pipeline_resumed"]
+    assert sorted({r["group"] for r in resumed}) == ["tp1-cp1-dp4-pp1:tp-cp-dp-pp",
+                                                     "tp2-cp1-dp1-pp2:tp-cp-dp-pp",
+                                                     "tp4-cp1-dp1-pp1:tp-cp-dp-pp"]
+    for r in resumed:
+        assert len(r["losses"]) == 2 and r["losses"][0] != r["losses"][1]
+        assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= 1e-6, r
+        assert r["saved_step"] == r["loaded_step"] == 2
+    # 4 layers x 12 tensors, each with its 2 moments, + the step counter and learning rate;
+    # a pipeline stage holds 2 of the layers (and its own copy of the 2 scalars).
+    assert all(r["loaded"] == 146 and r["moments"] == 96 for r in by_role["resumed"])
+    stages = by_role["pipeline_resumed"]
+    assert all(r["loaded"] == 74 and r["moments"] == 48 and r["schedule"] == "1f1b"
+               and r["microbatches"] == 2 for r in stages)
+    assert sorted(r["stage"] for r in stages) == [0, 0, 1, 1]
 
 
 @pytest.mark.multiprocess

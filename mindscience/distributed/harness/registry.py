@@ -29,6 +29,7 @@ CHECK_MODULES = (
     "mindscience.distributed.harness.checks.examples",
     "mindscience.distributed.harness.checks.training",
     "mindscience.distributed.harness.checks.checkpoint",
+    "mindscience.distributed.harness.checks.checkpoint_resume",
     "mindscience.distributed.harness.checks.bandwidth",
     "mindscience.distributed.harness.checks.compute",
     "mindscience.distributed.harness.checks.p2p",
