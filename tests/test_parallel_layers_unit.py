@@ -179,6 +179,11 @@ def test_attention_layer_errors():
     with pytest.raises(ValueError, match="ulysses"):
         ContextParallelAttention(32, 4, num_query_groups=2, method="ulysses", tp_group=fake(2, 0),
                                  cp_group=fake(2, 0, "cp"))
+    # The zigzag layout is the causal ring's: refused when the layer is built.
+    for bad in (dict(causal=False), dict(causal=True, method="ulysses")):
+        with pytest.raises(ValueError, match="load_balance=True needs method='ring' and causal=True"):
+            ContextParallelAttention(32, 4, load_balance=True, **bad)
+    ContextParallelAttention(32, 4, load_balance=True, causal=True)  # the valid combination builds
 
 
 def test_zigzag_rows():

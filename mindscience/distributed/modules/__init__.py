@@ -1,10 +1,15 @@
-"""Parallel layers built on the mappings: tensor-parallel linear layers and their init.
+"""Parallel layers built on the mappings.
 
     from mindscience.distributed.modules import (
-        ColumnParallelLinear, RowParallelLinear, initialize_affine_weight,
+        ColumnParallelLinear, RowParallelLinear, initialize_affine_weight,   # tensor-parallel linear
+        VocabParallelEmbedding, vocab_parallel_cross_entropy,                # vocabulary over tp
+        context_parallel_attention, ContextParallelAttention,                # attention over cp
+        zigzag_shard, zigzag_unshard,                                        # the causal ring's layout
     )
 
-Without ``initialize_parallel`` the layers run as ordinary dense layers (tp = 1).
+Without ``initialize_parallel`` the layers run as ordinary dense layers (every group of
+size 1). Each layer marks how its parameters are split (:mod:`..sharding`), which
+:mod:`..checkpoint` uses to save and load them at any layout.
 """
 
 from .init import initialize_affine_weight

@@ -70,6 +70,12 @@ class ContextParallelAttention(nn.Cell):
                 raise ValueError(f"{cls}: {key}={value!r} must be a positive integer.")
         if method not in METHODS:
             raise ValueError(f"{cls}: method={method!r} is invalid: expected one of {METHODS}.")
+        if load_balance and not (causal and method == "ring"):
+            # The zigzag layout only evens out the causal ring's triangle; say so when the
+            # layer is built, not at its first call.
+            raise ValueError(f"{cls}: load_balance=True needs method='ring' and causal=True "
+                             f"(got method={method!r}, causal={causal}); drop load_balance or use "
+                             "a causal ring.")
         if hidden_size % num_heads:
             raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by "
                              f"num_heads={num_heads}.")
