@@ -33,14 +33,13 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import replace
 from statistics import median
 
 from .devices import PRESET_KEYS
 from .errors import ModelError, ModelFileError
-from .spec import ClusterSpec
+from .spec import ClusterSpec, is_finite_number
 
 SOURCE_KEYS = (*PRESET_KEYS, "compute_efficiency")
 
@@ -90,10 +89,6 @@ ROW_KEYS = "op, group, bytes, busbw_gbps, latency_us, crosses_nodes"
 _MISSING = object()  # a key absent from the report (None is a value)
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def check_report(report, source: str) -> None:
     """Check the parts of a verify report :func:`calibrate` reads; the first bad field raises.
 
@@ -116,7 +111,7 @@ def check_report(report, source: str) -> None:
         if not isinstance(compute, dict):
             bad("compute", compute, "an object {tflops, dtype, shape}")
         tflops = compute.get("tflops", _MISSING)
-        if not _finite(tflops) or tflops <= 0:
+        if not is_finite_number(tflops) or tflops <= 0:
             bad("compute.tflops", tflops, "the measured matmul rate, a finite number of TFLOP/s > 0")
     rows = report.get("bandwidth")
     if rows is None:
@@ -134,10 +129,10 @@ def check_report(report, source: str) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             bad(f"{where}.bytes", size, "the message size, an integer number of bytes > 0")
         busbw = row.get("busbw_gbps", _MISSING)
-        if not _finite(busbw) or busbw < 0:
+        if not is_finite_number(busbw) or busbw < 0:
             bad(f"{where}.busbw_gbps", busbw, "a bus bandwidth, a finite number of GB/s >= 0")
         latency = row.get("latency_us")
-        if latency is not None and (not _finite(latency) or latency < 0):
+        if latency is not None and (not is_finite_number(latency) or latency < 0):
             bad(f"{where}.latency_us", latency, "the smallest size's time, a finite number of microseconds >= 0")
         crosses = row.get("crosses_nodes")
         if crosses is not None and not isinstance(crosses, bool):

@@ -78,11 +78,15 @@ NUMBER_HINTS = {
 }
 
 
+def is_finite_number(value) -> bool:
+    """An int or float (not a bool) that is neither infinite nor NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_number(name: str, value) -> None:
-    # math.isfinite: YAML's `.inf` / `.nan` are floats, and an infinite peak or bandwidth
-    # would price every layout at zero seconds.
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-            or not math.isfinite(value)):
+    # Finite: YAML's `.inf` / `.nan` are floats, and an infinite peak or bandwidth would
+    # price every layout at zero seconds.
+    if not is_finite_number(value) or not value > 0:
         hint = NUMBER_HINTS.get(name, "a positive number")
         raise ModelError(f"{name}={value!r} is invalid: expected a finite number > 0. Set {name} to {hint}.")
 

@@ -111,11 +111,6 @@ def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, cross
     return sum((r["count"] * latency + r["bytes"] / bandwidth for r in rows if r["group"] == group), 0.0)
 
 
-def pipeline_slots(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
-    """Schedule slots on the critical path: ``v * m + p - 1`` (each a chunk's forward + backward)."""
-    return virtual_stages * microbatches + pp - 1 if pp > 1 else microbatches
-
-
 def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
     """Point-to-point transfers on the busiest stage's critical path: ``2 * v * (m + p - 1)``.
 
@@ -173,7 +168,6 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
     hidden = flops["backward"] / rate if training.overlap_grad_reduce else 0.0
     dp_s = max(0.0, dp_reduce - hidden)
     breakdown = {"compute_s": compute, "bubble_s": bubble, "tp_s": tp_s, "cp_s": cp_s, "pp_s": pp_s, "dp_s": dp_s}
-    breakdown = {key: float(value) for key, value in breakdown.items()}  # JSON readers get 0.0, never 0
     total = sum(breakdown.values())
     samples = m * training.micro_batch_size * dp
     model_flops = samples * model_flops_per_sample(model)

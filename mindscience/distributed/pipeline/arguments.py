@@ -11,6 +11,7 @@ import numbers
 
 from mindspore import Tensor, nn
 
+from ..p2p import _MAX_NDIM
 from .schedules import SCHEDULES
 
 __all__ = ["PipelineError", "MODES", "check_args", "check_activation_shape", "data_problem"]
@@ -73,14 +74,15 @@ def check_activation_shape(activation_shape):
     """``activation_shape`` as a tuple of ints (or None), else a PipelineError."""
     if activation_shape is None:
         return None
-    ok = isinstance(activation_shape, (list, tuple)) and len(activation_shape) > 0 and all(
+    # At most p2p's rank limit: a longer shape would pass here and fail in one rank's header.
+    ok = isinstance(activation_shape, (list, tuple)) and 0 < len(activation_shape) <= _MAX_NDIM and all(
         isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0
         for d in activation_shape)
     if not ok:
         raise PipelineError(
             f"activation_shape={activation_shape!r} is invalid: expected a tuple or list of "
-            "positive ints, the shape of the tensor one stage sends to the next (e.g. "
-            "(micro_batch, seq, hidden)), or None to learn it at the first call.")
+            f"positive ints (at most {_MAX_NDIM}), the shape of the tensor one stage sends to the "
+            "next (e.g. (micro_batch, seq, hidden)), or None to learn it at the first call.")
     return tuple(int(d) for d in activation_shape)
 
 

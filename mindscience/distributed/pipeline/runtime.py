@@ -49,6 +49,8 @@ Example, pp = 2, 4 micro-batches (every rank runs the same call)::
 
 from __future__ import annotations
 
+import functools
+
 import mindspore as ms
 import numpy as np
 from mindspore import ops
@@ -58,6 +60,10 @@ from .. import p2p
 from .arguments import MODES, PipelineError, check_activation_shape, check_args, data_problem
 from .schedules import SCHEDULES, build
 from .stage_fns import cache_of, stage_fns
+
+# The action lists of one configuration never change, and building them (two placements,
+# a simulation, a validation) costs 1-500 ms: once per (schedule, p, m, v), not per step.
+_schedule = functools.lru_cache(maxsize=64)(build)
 
 __all__ = ["forward_backward", "PipelineError", "stage_parameters", "last_peak", "MODES"]
 
@@ -184,19 +190,19 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     p, i = g.size, g.rank
     cells = list(stage) if schedule == "interleaved" else [stage]
     m, v = len(inputs), len(cells)
-    sched = build(schedule, p, m, v)
+    sched = _schedule(schedule, p, m, v)
     problem = data_problem(inputs, targets, i == 0, i == p - 1, p, i)
     # The shapes learned at the first call live on the (first) chunk: they die with it.
-    # The other chunks are kept with them, so their ids in the key stay theirs.
+    # The other chunks are in the key itself (Cells hash by identity), which keeps them alive.
     learned_all = cache_of(cells[0]).learned
-    key = (g.ranks, schedule, m, v, mode, tuple(id(c) for c in cells[1:]), shape)
+    key = (g.ranks, schedule, m, v, mode, tuple(cells[1:]), shape)
     entry = learned_all.get(key)
     first_call = entry is None
     if first_call and p > 1:
         _agree(g, m, v, schedule, problem)
     if problem is not None:
         raise PipelineError(problem)
-    learned = {} if first_call else entry["specs"]
+    learned = {} if first_call else entry
     stages = p * v
     fns = [stage_fns(cell, loss_fn, mode, c * p + i == 0, c * p + i == stages - 1)
            for c, cell in enumerate(cells)]
@@ -205,7 +211,7 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     run.execute()
     _LAST["peak"] = run.peak
     if first_call:
-        learned_all[key] = {"specs": learned, "chunks": tuple(cells[1:])}
+        learned_all[key] = learned
     loss = run.loss
     if p > 1:
         loss = C.all_reduce(loss, g)

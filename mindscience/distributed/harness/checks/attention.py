@@ -191,17 +191,6 @@ def graph_cases() -> list:
             for m in METHODS]
 
 
-def compiled_cases() -> list:
-    """Each method causal, GQA, uneven (one graph)."""
-    return [dict(method=m, causal=True, gqa=True, split="uneven") for m in METHODS]
-
-
-def ring_cases() -> list:
-    """The ring's other layouts: zigzag (GQA) and a bfloat16 non-causal even ring."""
-    return [dict(method="ring", causal=True, gqa=True, split="zigzag"),
-            dict(method="ring", causal=False, gqa=False, split="even", dtype="bfloat16")]
-
-
 def verify_cases(dtype: str = "float32") -> list:
     """What ``msdist verify`` runs in each of its modes: each method causal, GQA, uneven in
     the run's dtype; eagerly also the zigzag ring."""
@@ -213,9 +202,9 @@ def verify_eager_cases(dtype: str = "float32") -> list:
     return verify_cases(dtype) + [dict(method="ring", causal=True, gqa=True, split="zigzag", dtype=dtype)]
 
 
-CASE_SETS = {"all": default_cases, "suite": suite_cases, "jit": jit_cases, "graph": graph_cases,
-             "compiled": compiled_cases, "ring": ring_cases, "verify": verify_eager_cases,
-             "verify_compiled": verify_cases}
+# Named case sets: fixed ones, and the verify ones that run in the run's dtype.
+CASE_SETS = {"suite": suite_cases, "jit": jit_cases, "graph": graph_cases}
+DTYPE_CASE_SETS = {"verify": verify_eager_cases, "verify_compiled": verify_cases}
 
 
 @check("attention.methods")
@@ -223,10 +212,10 @@ def methods(ctx: CheckContext, tp=None, cp=None, modes=("pynative",), cases=None
             methods=("ring", "ulysses", "allgather_kv"), dtypes=("float32",), **sizes) -> list:
     """Each case in each mode against dense attention (see the module docstring).
 
-    ``cases``: a list of case dicts, or the name of a set (:data:`CASE_SETS`): ``"all"``
-    (default: every method x causal x GQA x split, :func:`default_cases`), ``"suite"``,
-    ``"jit"``, ``"graph"``, ``"compiled"``, ``"ring"``, ``"verify"`` / ``"verify_compiled"``
-    (in ``dtypes[0]``)."""
+    ``cases``: a list of case dicts, or the name of a set: ``"all"`` (default: every method
+    x causal x GQA x split in each of ``dtypes``, :func:`default_cases`), one of
+    :data:`CASE_SETS` (``"suite"``, ``"jit"``, ``"graph"``) or of :data:`DTYPE_CASE_SETS`
+    (``"verify"``, ``"verify_compiled"``, in ``dtypes[0]``)."""
     from mindscience.distributed import manager
 
     from .modes import _COMPILED_KEEP_ALIVE, differentiate_batch, value_and_grad
@@ -235,12 +224,13 @@ def methods(ctx: CheckContext, tp=None, cp=None, modes=("pynative",), cases=None
     group = manager.get_context_parallel_group()
     if cases is None or cases == "all":
         specs = default_cases(tuple(methods), tuple(dtypes))
+    elif isinstance(cases, str) and cases in DTYPE_CASE_SETS:
+        specs = DTYPE_CASE_SETS[cases](dtypes[0])
     elif isinstance(cases, str):
         if cases not in CASE_SETS:
             raise ValueError(f"cases={cases!r} is invalid: expected a list of cases or one of "
-                             f"{sorted(CASE_SETS)}")
-        # The verify sets run in the run's dtype (``dtypes[0]``); the others fix their own.
-        specs = CASE_SETS[cases](dtypes[0]) if cases.startswith("verify") else CASE_SETS[cases]()
+                             f"{sorted(['all', *CASE_SETS, *DTYPE_CASE_SETS])}")
+        specs = CASE_SETS[cases]()
     else:
         specs = cases
     records = []

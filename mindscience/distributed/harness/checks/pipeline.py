@@ -25,7 +25,7 @@ import numpy as np
 
 from ..registry import CheckContext, check
 from .examples import _load_example
-from .p2p import under_layout
+from .p2p import _raises, under_layout
 
 
 @check("examples.train_pipeline")
@@ -160,28 +160,18 @@ def _errors(manager, m, dim):
         records.append({"check": f"pipeline.error.{name}", "group": "pp", "group_size": p,
                         "passed": bool(ok), "max_error": err if ok else None, "message": msg})
 
-    def raises(fn, *needles):
-        try:
-            fn()
-        except PipelineError as exc:
-            text = str(exc)
-            return all(n in text for n in needles), text
-        except Exception as exc:  # noqa: BLE001 - reported as a failure
-            return False, f"{type(exc).__name__}: {exc}"
-        return False, "no exception"
-
     # Each case on a new stage: the first call of its configuration (headers, agreement).
     bad_in = [None] + inputs[1:] if i == 0 else inputs
-    want = ("inputs[0] is None",) if i == 0 else (f"pipeline rank(s) [0] of {p}",)
-    rec("bad_input_every_rank", *raises(
-        lambda: forward_backward(Toy([i], 0), bad_in, targets, mse), *want))
+    want = "inputs[0] is None" if i == 0 else f"pipeline rank(s) [0] of {p}"
+    rec("bad_input_every_rank", *_raises(
+        lambda: forward_backward(Toy([i], 0), bad_in, targets, mse), PipelineError, want))
     bad_t = targets[:-1] + [None] if i == p - 1 else targets
-    want = (f"targets[{m - 1}] is None",) if i == p - 1 else (f"pipeline rank(s) [{p - 1}] of {p}",)
-    rec("bad_target_every_rank", *raises(
-        lambda: forward_backward(Toy([i], 0), inputs, bad_t, mse), *want))
-    rec("bad_activation_shape", *raises(
+    want = f"targets[{m - 1}] is None" if i == p - 1 else f"pipeline rank(s) [{p - 1}] of {p}"
+    rec("bad_target_every_rank", *_raises(
+        lambda: forward_backward(Toy([i], 0), inputs, bad_t, mse), PipelineError, want))
+    rec("bad_activation_shape", *_raises(
         lambda: forward_backward(Toy([i], 0), inputs, targets, mse, activation_shape=5),
-        "activation_shape=5 is invalid"))
+        PipelineError, "activation_shape=5 is invalid"))
     # One stage, two losses: each step against the dense model of the p layers.
     stage = Toy([i], 0)
     dense = Toy(range(p), 0)
