@@ -37,10 +37,12 @@ def _integrity(err) -> "typer.Exit":
 
 
 def _check_dir(path: str) -> None:
+    from mindscience.distributed.checkpoint.manifest import partial_dir
+
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{path} is a file, not a checkpoint directory: pass the directory "
                          "that save() wrote (it holds manifest.json).")
-    if not os.path.exists(path) and not os.path.isdir(path.rstrip("/") + ".partial"):
+    if not os.path.exists(path) and not os.path.isdir(partial_dir(path)):
         raise UsageError(f"checkpoint directory {path} does not exist: pass the directory that "
                          "save() wrote (it holds manifest.json).")
 

@@ -36,15 +36,6 @@ BLOCK_BYTES = 1 << 20
 _MAX_RUNS = 1 << 22
 
 
-try:  # same CRC-32 as zlib's, ~10x faster (carry-less multiply); a declared dependency
-    from zlib_ng import zlib_ng as _zlib_fast
-    crc32 = _zlib_fast.crc32
-    _combine = _zlib_fast.crc32_combine
-except ImportError:  # pragma: no cover - a broken install still reads and writes checkpoints
-    crc32 = zlib.crc32
-    _combine = None
-
-
 def _gf2_times(matrix, vec):
     out, i = 0, 0
     while vec:
@@ -60,35 +51,49 @@ def _gf2_square(matrix):
 
 
 def _crc32_combine_py(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's ``crc32_combine`` (GF(2) matrix powers), for an install without zlib-ng."""
+    """zlib's ``crc32_combine`` (GF(2) matrix powers), for an install without zlib-ng:
+    ``crc1`` shifted through ``len2`` zero bytes (the operator for one zero byte squared
+    once per bit of ``len2``), then xor ``crc2``."""
     if len2 <= 0:
         return crc1
-    odd = [0xEDB88320] + [1 << i for i in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)                            # two zero bits
-    odd = _gf2_square(even)                            # four zero bits
+    op = [0xEDB88320] + [1 << i for i in range(31)]  # the operator for one zero bit
+    for _ in range(3):                                  # ... for one zero byte
+        op = _gf2_square(op)
     while True:
-        even = _gf2_square(odd)
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
         if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
+            return crc1 ^ crc2
+        op = _gf2_square(op)
 
 
-if _combine is None:  # pragma: no cover
+try:  # same CRC-32 as zlib's, ~10x faster (carry-less multiply); a declared dependency
+    from zlib_ng import zlib_ng as _zlib_fast
+    crc32 = _zlib_fast.crc32
+    _combine = _zlib_fast.crc32_combine
+except ImportError:  # pragma: no cover - a broken install still reads and writes checkpoints
+    crc32 = zlib.crc32
     _combine = _crc32_combine_py
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
     return _combine(crc1 & 0xFFFFFFFF, crc2 & 0xFFFFFFFF, int(len2)) & 0xFFFFFFFF
+
+
+def combine_blocks(crcs, length: int, block_bytes: int) -> int:
+    """The CRC-32 of ``length`` bytes from the CRCs of their ``block_bytes`` blocks (the
+    last one may be shorter)."""
+    crc = 0
+    for i, c in enumerate(crcs):
+        crc = crc32_combine(crc, c, min(block_bytes, length - i * block_bytes))
+    return crc
+
+
+def blocks_hex(crcs) -> str:
+    """Block CRCs as one ``block_crc32`` string (8 hex digits each; :func:`split_crcs`)."""
+    return "".join(f"{c:08x}" for c in crcs)
 
 
 class BlockCrc:
@@ -101,7 +106,7 @@ class BlockCrc:
     def __init__(self, block_bytes: int = BLOCK_BYTES):
         self.block_bytes = int(block_bytes)
         self.blocks: list = []
-        self._crc, self._filled, self._total, self._length = 0, 0, 0, 0
+        self._crc, self._filled, self._total = 0, 0, 0
 
     def update(self, data: memoryview) -> None:
         pos, n = 0, len(data)
@@ -116,7 +121,6 @@ class BlockCrc:
     def _close_block(self) -> None:
         self.blocks.append(self._crc & 0xFFFFFFFF)
         self._total = crc32_combine(self._total, self._crc, self._filled)
-        self._length += self._filled
         self._crc, self._filled = 0, 0
 
     def finish(self) -> "BlockCrc":
@@ -128,7 +132,7 @@ class BlockCrc:
         return self._total
 
     def hex(self) -> str:
-        return "".join(f"{c:08x}" for c in self.blocks)
+        return blocks_hex(self.blocks)
 
 
 def split_crcs(text: str) -> list:

@@ -299,7 +299,7 @@ def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] =
         CheckpointError: a bad ``step`` or ``extra``; an optimizer state that cannot be
             attributed (see :func:`named_parameters`); a failure on any rank.
     """
-    from .writer import partial_dir
+    from .manifest import partial_dir
 
     layout, rank = _world()
     directory = str(directory)

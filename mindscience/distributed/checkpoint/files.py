@@ -21,7 +21,6 @@ No MindSpore import here.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 import sys
@@ -29,11 +28,11 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from .blocks import BLOCK_BYTES, BlockCrc, block_crcs, crc32, crc32_combine  # noqa: F401
+from .blocks import BLOCK_BYTES, BlockCrc, block_crcs, blocks_hex, combine_blocks, crc32  # noqa: F401
 from .errors import CheckpointError, CheckpointIntegrityError
 
 __all__ = ["NUMPY_DTYPES", "st_dtype_of", "SafetensorsWriter", "read_header", "tensor_view",
-           "file_checksum", "fsync_dir", "crc_hex", "crc32", "range_crc"]
+           "file_checksum", "fsync_dir", "crc_hex", "crc32"]
 
 NUMPY_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -237,24 +236,6 @@ def tensor_view(path: str, header: dict, data_start: int, name: str) -> np.ndarr
     return np.memmap(path, dtype=dtype, mode="r", offset=data_start + begin, shape=shape)
 
 
-def range_crc(fh, start: int, length: int, progress=None) -> int:
-    """CRC-32 of ``length`` bytes of the open file ``fh`` from ``start``, read through
-    short-lived memory maps of ``CHUNK_BYTES`` (no copy into user memory, and at most one
-    chunk of the file's pages mapped at a time, so the resident memory stays small)."""
-    crc, end = 0, start + length
-    gran = mmap.ALLOCATIONGRANULARITY
-    while start < end:
-        base = start - start % gran
-        size = min(start - base + CHUNK_BYTES, end - base)  # maps start at a page
-        with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ, offset=base) as mm:
-            with memoryview(mm) as view:
-                crc = crc32(view[start - base:size], crc)
-        if progress is not None:
-            progress(base + size - start)
-        start = base + size
-    return crc
-
-
 def file_checksum(path: str, progress=None, block_bytes: int = BLOCK_BYTES) -> tuple:
     """``(file_crc, {tensor: crc}, {tensor: block crcs})`` recomputed from the bytes on
     disk in one pass (see the module doc; block CRCs as :mod:`.blocks` hex strings)."""
@@ -268,11 +249,9 @@ def file_checksum(path: str, progress=None, block_bytes: int = BLOCK_BYTES) -> t
         for name, info in items:
             b, e = info["data_offsets"]
             crcs = block_crcs(fh, start + b, e - b, block_bytes, CHUNK_BYTES, progress)
-            crc = 0
-            for i, c in enumerate(crcs):
-                crc = crc32_combine(crc, c, min(block_bytes, e - b - i * block_bytes))
+            crc = combine_blocks(crcs, e - b, block_bytes)
             tensors[name] = crc_hex(crc)
-            blocks[name] = "".join(f"{c:08x}" for c in crcs)
+            blocks[name] = blocks_hex(crcs)
             file_crc = crc32(struct.pack(">I", crc), file_crc)
     return crc_hex(file_crc), tensors, blocks
 

@@ -81,8 +81,14 @@ def write_json_atomic(path: str, data) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _has_manifest(directory: str) -> bool:
+def has_manifest(directory: str) -> bool:
+    """Whether ``directory`` holds a manifest (a save wrote it last: the checkpoint is whole)."""
     return os.path.isfile(os.path.join(directory, MANIFEST))
+
+
+def partial_dir(directory: str) -> str:
+    """Where a save of ``directory`` builds the checkpoint: ``DIR.partial``."""
+    return str(directory).rstrip("/") + PARTIAL_SUFFIX
 
 
 def open_manifest(directory: str) -> tuple:
@@ -101,13 +107,13 @@ def open_manifest(directory: str) -> tuple:
     """
     directory = str(directory)
     base = directory.rstrip("/") or directory
-    partial, old = base + PARTIAL_SUFFIX, base + OLD_SUFFIX
+    partial, old = partial_dir(base), base + OLD_SUFFIX
     note = None
     if not os.path.isdir(directory):
         if os.path.exists(directory):
             raise CheckpointIntegrityError(f"{directory}: not a directory (a checkpoint is a "
                                            f"directory holding {MANIFEST}).")
-        if _has_manifest(partial):
+        if has_manifest(partial):
             note = (f"{directory} is missing but {partial} is complete: a save finished writing "
                     f"and was stopped while moving it into place; reading {partial}. The next "
                     f"save to {directory} moves it into place first (or rename it yourself).")
@@ -117,7 +123,7 @@ def open_manifest(directory: str) -> tuple:
             if os.path.isdir(partial):
                 hint = (f" {partial} exists: a save that did not finish; it is incomplete and "
                         "cannot be loaded.")
-            if _has_manifest(old):
+            if has_manifest(old):
                 hint += (f" {old} holds the previous complete checkpoint: rename it to "
                          f"{directory} to use it.")
             raise CheckpointIntegrityError(f"{directory}: no checkpoint directory.{hint}")

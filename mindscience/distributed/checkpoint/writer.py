@@ -30,18 +30,14 @@ import sys
 import numpy as np
 
 from .files import SafetensorsWriter, fsync_dir
-from .manifest import (MANIFEST, OLD_SUFFIX, PARTIAL_SUFFIX, merge_parts, part_file, rank_file,
-                       write_json_atomic)
+from .manifest import (MANIFEST, OLD_SUFFIX, has_manifest, merge_parts, part_file, partial_dir,
+                       rank_file, write_json_atomic)
 from .plan import layer_index
 
 __all__ = ["partial_dir", "prepare", "write_rank", "finish", "save_arrays", "exchange",
            "LAYOUT_KEYS"]
 
 LAYOUT_KEYS = ("world_size", "tp", "cp", "dp", "pp", "order")
-
-
-def partial_dir(directory: str) -> str:
-    return str(directory).rstrip("/") + PARTIAL_SUFFIX
 
 
 def _exchanger():
@@ -76,10 +72,6 @@ def _exchanger():
 exchange = _exchanger()
 
 
-def _has_manifest(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, MANIFEST))
-
-
 def _recover(directory: str) -> None:
     """Finish a replacement a crash interrupted between the fallback's two renames:
     ``DIR`` missing and a complete ``DIR.partial`` (the newest checkpoint) is moved into
@@ -88,7 +80,7 @@ def _recover(directory: str) -> None:
         return
     tmp, old = partial_dir(directory), directory + OLD_SUFFIX
     for source in (tmp, old):
-        if _has_manifest(source):
+        if has_manifest(source):
             os.replace(source, directory)
             fsync_dir(os.path.dirname(os.path.abspath(directory)))
             return
