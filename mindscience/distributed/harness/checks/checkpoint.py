@@ -28,7 +28,7 @@ import shutil
 import numpy as np
 
 from ..registry import CheckContext, check
-from .groups import current_layout_args, layout_label, restore
+from .groups import current_layout_args, layout_label, reinit, restore
 
 SEQ, BATCH, HIDDEN, FFN = 4, 4, 8, 24
 
@@ -118,26 +118,41 @@ def _batches(steps: int, offset: int):
     return data[offset:]
 
 
-def _train(model, optimizer, batches) -> list:
-    """Global loss per step (the dp mean of the local mean losses)."""
+def group_mean(loss, group) -> float:
+    """The global batch's loss from this rank's mean loss: the mean over ``group``."""
+    from mindscience.distributed.collectives import all_reduce
+
+    if group.size == 1:
+        return float(loss.asnumpy())
+    return float(all_reduce(loss.reshape(1), group).asnumpy()[0]) / group.size
+
+
+def train_steps(loss_fn, optimizer, batches, local, group) -> list:
+    """One step per global batch ``(x, y)``: ``loss_fn(*local(x, y))`` (this rank's share),
+    its gradients finalized (sequence-parallel sums over tp, the mean over dp-cp), the
+    optimizer; returns each step's global loss, :func:`group_mean` over ``group``."""
     import mindspore as ms
 
-    from mindscience.distributed import collectives, manager
     from mindscience.distributed.finalize import GradientFinalizer
 
-    grad_fn = ms.value_and_grad(model, None, optimizer.parameters)
+    grad_fn = ms.value_and_grad(loss_fn, None, optimizer.parameters)
     finalizer = GradientFinalizer(optimizer.parameters)
-    dp = manager.get_data_parallel_group()
-    lo = manager.get_data_parallel_rank() * (BATCH // dp.size)
     losses = []
     for x, y in batches:
-        xs = ms.Tensor(x[:, lo:lo + BATCH // dp.size])
-        ys = ms.Tensor(y[:, lo:lo + BATCH // dp.size])
-        loss, grads = grad_fn(xs, ys)
+        loss, grads = grad_fn(*(ms.Tensor(a) for a in local(x, y)))
         optimizer(finalizer(grads))
-        total = collectives.all_reduce(loss.reshape(1), dp) if dp.size > 1 else loss.reshape(1)
-        losses.append(float(total.asnumpy()[0]) / dp.size)
+        losses.append(group_mean(loss, group))
     return losses
+
+
+def _train(model, optimizer, batches) -> list:
+    """Global loss per step (the dp mean of the local mean losses)."""
+    from mindscience.distributed import manager
+
+    dp = manager.get_data_parallel_group()
+    lo = manager.get_data_parallel_rank() * (BATCH // dp.size)
+    return train_steps(model, optimizer, batches,
+                       lambda x, y: (x[:, lo:lo + BATCH // dp.size], y[:, lo:lo + BATCH // dp.size]), dp)
 
 
 def _merged(directory: str, out: str) -> dict:
@@ -163,16 +178,9 @@ def layout_change(ctx: CheckContext, first=None, others=None, steps: int = 3,
     root = os.path.join(ctx.out_dir or ".", "checkpoint_layout_change")
     ckpt, again = os.path.join(root, "ckpt"), os.path.join(root, "again")
 
-    def init(spec):
-        if manager.is_initialized():
-            manager.destroy_parallel()
-        return manager.initialize_parallel(tensor_parallel_size=spec.get("tp", 1),
-                                           context_parallel_size=spec.get("cp", 1),
-                                           pipeline_parallel_size=spec.get("pp", 1))
-
     records = []
     try:
-        lay = init(first)
+        lay = reinit(manager, first)
         model, opt, state = _build(seed=0)
         _train(model, opt, _batches(steps, 0))
         checkpoint.save(state, ckpt, step=steps, extra={"layout": layout_label(lay)})
@@ -181,7 +189,7 @@ def layout_change(ctx: CheckContext, first=None, others=None, steps: int = 3,
         records.append({"check": "checkpoint.layout_change", "group": layout_label(lay),
                         "passed": True, "max_error": 0.0, "losses": want, "role": "uninterrupted"})
         for spec in others:
-            lay = init(spec)
+            lay = reinit(manager, spec)
             model, opt, state = _build(seed=99)
             info = checkpoint.load(state, ckpt)
             checkpoint.save(state, again, step=info["step"])
@@ -202,7 +210,7 @@ def layout_change(ctx: CheckContext, first=None, others=None, steps: int = 3,
                 "moments": len(moments), "saved_step": info["step"], "role": "resumed"})
             _barrier()  # every rank has read `again` before the next save replaces it
         for spec in pipelines:
-            lay = init(spec)
+            lay = reinit(manager, spec)
             per = 2 // lay.pp
             model, opt, state = _build(seed=99, stage_layers=(manager.get_pipeline_parallel_rank() * per, per))
             info = checkpoint.load(state, ckpt)
@@ -225,7 +233,7 @@ def layout_change(ctx: CheckContext, first=None, others=None, steps: int = 3,
 
 
 def _barrier() -> None:
-    from mindscience.distributed import manager
-    from mindscience.distributed.checkpoint.cell import _barrier as world_barrier
+    """Every rank of the world got here (nothing to wait for without parallel groups)."""
+    from mindscience.distributed.checkpoint.cell import _barrier as world_barrier, _world
 
-    world_barrier(manager.get_layout())
+    world_barrier(_world()[0])

@@ -37,29 +37,13 @@ import time
 import numpy as np
 
 from ..registry import CheckContext, check
+from .checkpoint import _barrier, group_mean, train_steps
 from .examples import _load_example
-from .groups import current_layout_args, layout_label, restore
+from .groups import current_layout_args, layout_label, reinit, restore
 
 NAME = "checkpoint.resume_transformer"
 # train_pipeline's sizes: 4 heads split over tp <= 4, 8 sequences over dp x micro-batches.
 DIMS = {"seq_len": 8, "batch": 8, "d_model": 16, "num_heads": 4, "ffn": 32}
-
-
-def _init(manager, spec):
-    if manager.is_initialized():
-        manager.destroy_parallel()
-    return manager.initialize_parallel(tensor_parallel_size=spec.get("tp", 1),
-                                       context_parallel_size=spec.get("cp", 1),
-                                       pipeline_parallel_size=spec.get("pp", 1))
-
-
-def _dp_mean(loss, group) -> float:
-    """The global batch's loss from this rank's mean loss: the mean over ``group``."""
-    from mindscience.distributed.collectives import all_reduce
-
-    if group.size == 1:
-        return float(loss.asnumpy())
-    return float(all_reduce(loss.reshape(1), group).asnumpy()[0]) / group.size
 
 
 def _optimizer(params, lr: float):
@@ -69,19 +53,27 @@ def _optimizer(params, lr: float):
     return nn.AdamWeightDecay(params, learning_rate=lr, weight_decay=0.01)
 
 
-class _Layers:
+class _Example:
+    """An example script's model; ``batches`` are its global (ids or inputs, targets) pairs."""
+
+    def __init__(self, example: str, lr: float):
+        self.mod = _load_example(example)
+        self.lr = lr
+
+    def batches(self, n: int) -> list:
+        d = DIMS
+        return self.mod.global_batches(n, d["seq_len"], d["batch"], d["d_model"], 0)
+
+
+class _Layers(_Example):
     """examples/train_pipeline.py's model: ``layers`` pre-layernorm ``Layer``s (tensor-
     parallel attention and MLP) in a ``Stage``, mean-square loss against random targets."""
 
     name = "layers"
 
     def __init__(self, layers: int, lr: float):
-        self.mod = _load_example("train_pipeline")
-        self.layers, self.lr = layers, lr
-
-    def batches(self, n: int) -> list:
-        d = DIMS
-        return self.mod.global_batches(n, d["seq_len"], d["batch"], d["d_model"], 0)
+        super().__init__("train_pipeline", lr)
+        self.layers = layers
 
     def build(self, seed: int, pipeline: bool = False):
         """This rank's stage (every layer, or its pipeline stage's ``layers / pp``), the
@@ -104,24 +96,12 @@ class _Layers:
 
     def train(self, stage, optimizer, batches) -> list:
         """pp == 1: value_and_grad on this dp rank's share of each batch, dp mean, AdamW."""
-        import mindspore as ms
-
         from mindscience.distributed import manager
-        from mindscience.distributed.finalize import GradientFinalizer
 
-        def loss_fn(x, y):
-            return self.mod.mse(stage(x), y)
-
-        grad_fn = ms.value_and_grad(loss_fn, None, optimizer.parameters)
-        finalizer = GradientFinalizer(optimizer.parameters)
         dp = manager.get_data_parallel_group()
-        losses = []
-        for x, y in batches:
-            loss, grads = grad_fn(ms.Tensor(np.split(x, dp.size, axis=1)[dp.rank]),
-                                  ms.Tensor(np.split(y, dp.size, axis=1)[dp.rank]))
-            optimizer(finalizer(grads))
-            losses.append(_dp_mean(loss, dp))
-        return losses
+        return train_steps(lambda x, y: self.mod.mse(stage(x), y), optimizer, batches,
+                           lambda x, y: (np.split(x, dp.size, axis=1)[dp.rank],
+                                         np.split(y, dp.size, axis=1)[dp.rank]), dp)
 
     def train_pipeline(self, stage, optimizer, batches, microbatches: int) -> list:
         """1F1B over ``microbatches`` equal slices of this dp rank's share of each batch:
@@ -145,23 +125,18 @@ class _Layers:
                 ys = [ms.Tensor(a) for a in np.split(yl, microbatches, axis=1)]
             loss, grads = forward_backward(stage, xs, ys, self.mod.mse, schedule="1f1b")
             optimizer(finalizer(grads))
-            losses.append(_dp_mean(loss, dp))
+            losses.append(group_mean(loss, dp))
         return losses
 
 
-class _Block:
+class _Block(_Example):
     """examples/train_transformer.py's ``Block``: vocab-parallel embedding, sequence-
     parallel layer, column-parallel LM head, vocab-parallel cross-entropy (pp == 1)."""
 
     name = "block"
 
     def __init__(self, lr: float):
-        self.mod = _load_example("train_transformer")
-        self.lr = lr
-
-    def batches(self, n: int) -> list:
-        d = DIMS
-        return self.mod.global_batches(n, d["seq_len"], d["batch"], d["d_model"], 0)
+        super().__init__("train_transformer", lr)
 
     def build(self, seed: int, pipeline: bool = False):
         from mindspore import nn
@@ -179,22 +154,12 @@ class _Block:
     def train(self, block, optimizer, batches) -> list:
         """The block's cross-entropy; gradients finalized (sequence-parallel ones summed
         over tp, all averaged over dp-cp); AdamW."""
-        import mindspore as ms
-
         from mindscience.distributed import manager
-        from mindscience.distributed.finalize import GradientFinalizer
 
-        grad_fn = ms.value_and_grad(block, None, optimizer.parameters)
-        finalizer = GradientFinalizer(optimizer.parameters)
         tp, cp, dp = (manager.get_tensor_parallel_group(), manager.get_context_parallel_group(),
                       manager.get_data_parallel_group())
-        losses = []
-        for x, y in batches:
-            xl, yl = self.mod.local_batch(x, y, tp, cp, dp)
-            loss, grads = grad_fn(ms.Tensor(xl), ms.Tensor(yl))
-            optimizer(finalizer(grads))
-            losses.append(_dp_mean(loss, manager.get_data_context_parallel_group()))
-        return losses
+        return train_steps(block, optimizer, batches, lambda x, y: self.mod.local_batch(x, y, tp, cp, dp),
+                           manager.get_data_context_parallel_group())
 
 
 # ----------------------------------------------------------------------------- the check
@@ -235,7 +200,7 @@ def _legs(manager, model, layers, first, others, pipelines, steps, atol, microba
     data = model.batches(2 * steps)
     before, after = data[:steps], data[steps:]
     t0 = time.perf_counter()
-    lay = _init(manager, first)
+    lay = reinit(manager, first)
     _check_sizes(lay, layers, microbatches, False)
     net, opt, state = model.build(seed=0)
     model.train(net, opt, before)
@@ -244,7 +209,7 @@ def _legs(manager, model, layers, first, others, pipelines, steps, atol, microba
     records = [_record(lay, model.name, "uninterrupted", want, None, atol, t0)]
     for spec, pipeline in [(s, False) for s in others] + [(s, True) for s in pipelines]:
         t0 = time.perf_counter()
-        lay = _init(manager, spec)
+        lay = reinit(manager, spec)
         _check_sizes(lay, layers, microbatches, pipeline)
         net, opt, state = model.build(seed=99, pipeline=pipeline)
         info = checkpoint.load(state, ckpt)
@@ -294,16 +259,7 @@ def resume_transformer(ctx: CheckContext, first=None, others=None, pipelines=Non
     finally:
         restore(manager, saved_args)
         ms.set_context(mode=saved_mode)
-    _world_barrier(manager)  # every rank has read the checkpoints before rank 0 deletes them
+    _barrier()  # every rank has read the checkpoints before rank 0 deletes them
     if ctx.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     return records
-
-
-def _world_barrier(manager) -> None:
-    import mindspore as ms
-
-    from mindscience.distributed.collectives import all_reduce
-
-    if manager.is_initialized() and manager.get_layout().world_size > 1:
-        all_reduce(ms.Tensor(np.zeros(1, np.float32)), manager.get_group("tp-cp-dp-pp")).asnumpy()

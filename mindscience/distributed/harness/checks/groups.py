@@ -70,5 +70,15 @@ def restore(manager, args) -> None:
         manager.initialize_parallel(**args)
 
 
+def reinit(manager, spec: dict):
+    """Re-create the parallel groups as ``spec`` (``{"tp", "cp", "pp"}``, each default 1)
+    says, whatever was in force; returns the new layout."""
+    if manager.is_initialized():
+        manager.destroy_parallel()
+    return manager.initialize_parallel(tensor_parallel_size=spec.get("tp", 1),
+                                       context_parallel_size=spec.get("cp", 1),
+                                       pipeline_parallel_size=spec.get("pp", 1))
+
+
 def layout_label(lay) -> str:
     return f"tp{lay.tp}-cp{lay.cp}-dp{lay.dp}-pp{lay.pp}:{'-'.join(lay.axes)}"
