@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from .. import pictures, render
-from ..errors import EXIT_FAILED, UsageError, user_errors
+from ..errors import EXIT_FAILED, UsageError, check_output_file, user_errors
 from ..layouts import load
 from .. import verify_report as vr
 
@@ -200,8 +200,8 @@ def verify(
             raise UsageError(f"--format {fmt!r} is invalid: expected 'rich' or 'json'.")
         if timeout <= 0:
             raise UsageError(f"--timeout {timeout} is invalid: expected a positive number of seconds.")
-        if output and not os.path.isdir(os.path.dirname(os.path.abspath(output))):
-            raise UsageError(f"--output {output}: its folder does not exist. Create it or pick another path.")
+        if output:
+            check_output_file("--output", output)
         if plot:
             pictures.check_plot(plot)
         saved = vr.load_report(from_report) if from_report else None
