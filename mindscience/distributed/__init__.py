@@ -10,7 +10,8 @@ MindSpore in: ``msdist plan`` starts in a fraction of a second.
 import importlib
 
 _SUBMODULES = ("topology", "group", "manager", "collectives", "mappings", "modules", "finalize",
-               "harness", "sharding", "checkpoint", "p2p", "pipeline", "random")
+               "harness", "sharding", "checkpoint", "p2p", "pipeline", "random",
+               "optimizer", "fsdp", "parallelize", "models", "training")
 
 # Names re-exported at the package level (upstream exports initialize_parallel here),
 # each loaded from its module on first access.
@@ -27,6 +28,9 @@ _EXPORTS = {
     "finalize_gradients": "finalize",
     "mark_sharding": "sharding",
     "get_sharding": "sharding",
+    "DistributedOptimizer": "optimizer",
+    "fully_shard": "fsdp",
+    "parallelize_module": "parallelize",
 }
 
 __all__ = list(_SUBMODULES) + list(_EXPORTS)
