@@ -113,7 +113,7 @@ def _closest(workload: Workload, best: dict, sizes: tuple, buffers: int) -> dict
     hints = []
     tries = []
     if not training.distributed_optimizer and sizes[1] * sizes[3] > 1:
-        tries.append(("training.distributed_optimizer: true", replace(training, distributed_optimizer=True)))
+        tries.append(("training.zero_stage: 1", replace(training, zero_stage=1)))
     for mode in ("selective", "full")[("none", "selective", "full").index(training.recompute):]:
         tries.append((f"training.recompute: {mode}", replace(training, recompute=mode)))
     for label, other in tries:

@@ -13,15 +13,27 @@ file and the dotted key::
       ffn_hidden_size: 49152      # default 4 * hidden_size
       seq_length: 2048
       vocab_size: 51200           # 0: no token embedding / output logits (e.g. patches)
+      normalization: layernorm    # layernorm | rmsnorm              (these are the defaults)
+      activation: gelu            # gelu | swiglu (gate and up projections fused)
+      position_embedding: learned # learned (a seq_length x h table) | rope (no parameters)
+      tie_embeddings: true        # false: a separate V x h output layer
+      bias: true                  # biases of the linear layers (norms keep theirs)
+      dropout: 0.0
     training:                     # these are the defaults
       micro_batch_size: 1
       global_batch_size: 1536     # default micro_batch_size * world_size
       precision: bf16             # bf16 | fp16 | fp32
-      distributed_optimizer: false
+      zero_stage: 0               # 0-3: what the dp-cp group shards (1 optimizer state, 2 + gradients,
+                                  # 3 + weights); `distributed_optimizer: true` means 1
       recompute: none             # none | selective | full
       sequence_parallel: true
       virtual_pipeline_stages: 1  # > 1: the interleaved 1F1B schedule with v model chunks per rank
       overlap_grad_reduce: true   # the dp-cp gradient reduction overlaps the last backward
+      context_parallel_method: ring   # ulysses | allgather_kv | ring
+      first_stage_layers: null    # unequal pipeline stages (pipeline.split.stage_layers)
+      last_stage_layers: null
+      account_for_embedding_in_pipeline_split: false
+      account_for_loss_in_pipeline_split: false
     cluster:                      # these are the defaults (without a device preset)
       device: null                # a preset filling the keys below: ascend-910b, a100-80gb, ...
       device_memory_gb: 64        # GiB (2**30 bytes) per device
@@ -53,6 +65,11 @@ from .errors import ModelError, ModelFileError
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned", "rope")
+CP_METHODS = ("ulysses", "allgather_kv", "ring")
+ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_DEVICES_PER_NODE = 8
 GIB = 1024**3
 
@@ -110,6 +127,13 @@ class ModelSpec:
             when smaller, must divide ``a``.
         ffn_hidden_size: MLP width (``f``), default ``4 * h``.
         name: Optional label.
+        normalization: ``layernorm`` (weight and bias, ``2h``) or ``rmsnorm`` (weight, ``h``).
+        activation: ``gelu`` (fc1 ``h x f``) or ``swiglu`` (gate and up fused, ``h x 2f``).
+        position_embedding: ``learned`` (an ``s x h`` table) or ``rope`` (no parameters).
+        tie_embeddings: The output layer reuses the embedding; False adds a ``V x h`` matrix.
+        bias: Biases of the linear layers (the norms keep theirs either way).
+        dropout: Dropout probability in ``[0, 1)``; priced as a 1-byte mask per dropped
+            element (Korthikanti et al. 2022) when above 0.
 
     Raises:
         ModelError: a value out of range, with the fix.
@@ -123,8 +147,24 @@ class ModelSpec:
     num_query_groups: int | None = None
     ffn_hidden_size: int | None = None
     name: str | None = None
+    normalization: str = "layernorm"
+    activation: str = "gelu"
+    position_embedding: str = "learned"
+    tie_embeddings: bool = True
+    bias: bool = True
+    dropout: float = 0.0
 
     def __post_init__(self):
+        _choice("normalization", self.normalization, NORMALIZATIONS)
+        _choice("activation", self.activation, ACTIVATIONS)
+        _choice("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
+        for name in ("tie_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
+        if not is_finite_number(self.dropout) or not 0 <= self.dropout < 1:
+            raise ModelError(
+                f"dropout={self.dropout!r} is invalid: expected a probability in [0, 1), e.g. 0.1 "
+                "(0 disables dropout).")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             _positive_int(name, getattr(self, name))
         _positive_int("vocab_size", self.vocab_size, minimum=0)
@@ -165,7 +205,8 @@ class TrainingSpec:
             per device, the same samples per step for every layout of a world).
         precision: ``bf16``/``fp16`` (mixed precision, fp32 master weights) or ``fp32``.
         distributed_optimizer: Shard the optimizer state over the dp-cp group (Megatron's
-            distributed optimizer / ZeRO-1).
+            distributed optimizer / ZeRO-1): the same as ``zero_stage=1`` when ``zero_stage``
+            is not given.
         recompute: ``none``, ``selective`` (the attention core) or ``full`` (each layer).
         sequence_parallel: Shard the non-tensor-parallel activations over tp.
         virtual_pipeline_stages: Model chunks per pipeline rank (``v``); above 1 the
@@ -174,6 +215,17 @@ class TrainingSpec:
         overlap_grad_reduce: The dp-cp gradient reduction runs during the backward of the
             last micro-batch (Megatron's ``--overlap-grad-reduce``); only what exceeds
             that backward is exposed. False: all of it follows the backward.
+        zero_stage: What the dp-cp group shards (Rajbhandari et al. 2020): 0 nothing,
+            1 the optimizer state (with the fp32 main weights), 2 also the gradients,
+            3 also the weights (``fully_shard``). None: 1 with ``distributed_optimizer``,
+            else 0. After construction it is always an int, it wins over
+            ``distributed_optimizer``, which becomes ``zero_stage >= 1``.
+        context_parallel_method: ``ulysses``, ``allgather_kv`` or ``ring`` (the default).
+        first_stage_layers: Layers of the first model stage (unequal stages), None: even.
+        last_stage_layers: Layers of the last model stage, None: even.
+        account_for_embedding_in_pipeline_split: The embedding counts as a layer of the
+            first stage when the layers are cut (Megatron's option of the same name).
+        account_for_loss_in_pipeline_split: The loss counts as a layer of the last stage.
 
     Raises:
         ModelError: a value out of range or an unknown choice.
@@ -187,9 +239,37 @@ class TrainingSpec:
     sequence_parallel: bool = True
     virtual_pipeline_stages: int = 1
     overlap_grad_reduce: bool = True
+    zero_stage: int | None = None
+    context_parallel_method: str = "ring"
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self):
         _positive_int("micro_batch_size", self.micro_batch_size)
+        if self.zero_stage is None:
+            object.__setattr__(self, "zero_stage", 1 if self.distributed_optimizer is True else 0)
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ModelError(
+                f"zero_stage={self.zero_stage!r} is invalid: expected 0, 1, 2 or 3 (0 replicates "
+                "everything, 1 shards the optimizer state, 2 also the gradients, 3 also the weights).")
+        if isinstance(self.distributed_optimizer, bool):
+            # zero_stage wins: `replace(training, zero_stage=0)` must not keep a stale flag.
+            object.__setattr__(self, "distributed_optimizer", self.zero_stage >= 1)
+        _choice("context_parallel_method", self.context_parallel_method, CP_METHODS)
+        for name in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
+        explicit = self.first_stage_layers is not None or self.last_stage_layers is not None
+        if explicit and (self.account_for_embedding_in_pipeline_split
+                         or self.account_for_loss_in_pipeline_split):
+            raise ModelError(
+                "first_stage_layers/last_stage_layers and account_for_*_in_pipeline_split cannot be "
+                "combined: choose one way to cut the layers.")
         if self.global_batch_size is not None:
             _positive_int("global_batch_size", self.global_batch_size)
         _positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
@@ -300,12 +380,21 @@ class Workload:
 
 # section -> (dataclass, {key: (accepted types, human type)})
 _INT, _NUM, _BOOL, _STR = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "true or false"), ((str,), "a string")
+_MODEL_TYPES = {
+    "name": _STR, "normalization": ((str,), "one of layernorm, rmsnorm"),
+    "activation": ((str,), "one of gelu, swiglu"), "position_embedding": ((str,), "one of learned, rope"),
+    "tie_embeddings": _BOOL, "bias": _BOOL, "dropout": _NUM,
+}
 _SCHEMAS = {
-    "model": (ModelSpec, {f.name: (_STR if f.name == "name" else _INT) for f in fields(ModelSpec)}),
+    "model": (ModelSpec, {f.name: _MODEL_TYPES.get(f.name, _INT) for f in fields(ModelSpec)}),
     "training": (TrainingSpec, {
         "micro_batch_size": _INT, "global_batch_size": _INT, "precision": ((str,), "one of bf16, fp16, fp32"),
         "distributed_optimizer": _BOOL, "recompute": ((str,), "one of none, selective, full"),
         "sequence_parallel": _BOOL, "virtual_pipeline_stages": _INT, "overlap_grad_reduce": _BOOL,
+        "zero_stage": ((int,), "one of 0, 1, 2, 3"),
+        "context_parallel_method": ((str,), "one of ulysses, allgather_kv, ring"),
+        "first_stage_layers": _INT, "last_stage_layers": _INT,
+        "account_for_embedding_in_pipeline_split": _BOOL, "account_for_loss_in_pipeline_split": _BOOL,
     }),
     "cluster": (ClusterSpec, {
         "device": ((str,), f"a device preset ({', '.join(device_names())})"),
@@ -315,7 +404,10 @@ _SCHEMAS = {
     }),
 }
 _OPTIONAL = {"num_query_groups", "ffn_hidden_size", "name", "global_batch_size", "devices_per_node", "device",
-             *PRESET_KEYS, "compute_efficiency"}
+             *PRESET_KEYS, "compute_efficiency", "zero_stage", "first_stage_layers", "last_stage_layers",
+             "normalization", "activation", "position_embedding", "tie_embeddings", "bias", "dropout"}
+_LOWERED = {"precision", "recompute", "context_parallel_method", "normalization", "activation",
+            "position_embedding"}
 
 
 def section_from_mapping(section: str, data, source: str):
@@ -350,8 +442,11 @@ def section_from_mapping(section: str, data, source: str):
             raise ModelFileError(
                 f"{source}: key 'model.{missing[0]}' is missing: expected the model's "
                 f"{missing[0]} (required: {', '.join(missing)}).", source, f"model.{missing[0]}")
-    if section == "training":
-        kwargs = {k: v.lower() if k in ("precision", "recompute") else v for k, v in kwargs.items()}
+    kwargs = {k: v.lower() if k in _LOWERED else v for k, v in kwargs.items()}
+    if section == "training" and kwargs.get("distributed_optimizer") is True and kwargs.get("zero_stage") == 0:
+        raise ModelFileError(
+            f"{source}: training.zero_stage=0 contradicts training.distributed_optimizer=true (which "
+            "shards the optimizer state, stage 1): drop one of them.", source, "training.zero_stage")
     try:
         return cls(**kwargs)
     except ModelError as err:
