@@ -11,9 +11,15 @@ tp with SP    all_gather x 6, reduce_scatter x 4        the same (the backward a
                                                         column-linear inputs again, Korthikanti 4.2.2)
 cp (Ulysses)  all_to_all x 8 (q, k, v, out; fwd+bwd)    ``s/cp * b * h/tp`` (k, v: ``g*d/tp``)
 pp            send_recv x 2 per micro-batch (x v)       ``s/cp * b * h`` (``/tp`` with SP)
-dp-cp         all_reduce x 1 per step                   the rank's gradients
-dp-cp + DO    reduce_scatter + all_gather per step      gradients, then updated weights
+dp-cp ZeRO-0  all_reduce x 1 per step                   the rank's fp32 gradients
+dp-cp ZeRO-1,2 reduce_scatter + all_gather per step     fp32 gradients, then the updated weights
+dp-cp ZeRO-3  all_gather x 2 + reduce_scatter per       every parameter (forward, backward), its
+              parameter and micro-batch                  gradient in the model dtype
 ============  =======================================  ===========================================
+
+ZeRO messages are the padded shards times ``d`` (contract C1). Stage 3 sends ``3 w P (d-1)/d``
+per micro-batch against stage 0's ``2 * 4 P (d-1)/d`` per step: at ``w = 4`` and one
+micro-batch, 1.5x the all-reduce (Rajbhandari et al. 2020, sec. 7.2.2).
 
 Full recomputation runs each layer's forward again (+2 tp collectives of each kind, +4
 all-to-alls). Bytes sent per call are ``message * factor``: ``2(n-1)/n`` for all-reduce,
@@ -36,7 +42,8 @@ of ``s*b*h = 4`` bf16 values: 4 all-reduces of 8 bytes, each sending ``8 * 2*(2-
 
 from __future__ import annotations
 
-from .memory import BYTES, num_microbatches, stage_parameters
+from .memory import BYTES, GRADIENT_BYTES, num_microbatches
+from .params import rank_layers, sharded_elements, stage_shapes
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 GROUPS = ("tp", "cp", "pp", "dp-cp")
@@ -73,7 +80,7 @@ def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int,
     nbytes = BYTES[training.precision]
     local = model.seq_length // cp
     microbatches = num_microbatches(training, dp, tp * cp * pp * dp)
-    calls = (model.num_layers // pp) * microbatches  # layer passes per step
+    calls = max(rank_layers(model, training, pp)) * microbatches  # layer passes per step, busiest rank
     again = 1 if training.recompute == "full" else 0
     sp = training.sequence_parallel and tp > 1
     activation = local * b * h * nbytes["activation"]
@@ -91,15 +98,38 @@ def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int,
         # A middle stage sends both ways; with v model chunks per rank every chunk boundary sends.
         sends = microbatches * (2 if pp > 2 else 1) * training.virtual_pipeline_stages
         rows.append(_row("pp", "send_recv", pp, sends, sends * (activation // (tp if sp else 1))))
-    n = dp * cp
-    if n > 1:
-        params = max(sum(stage_parameters(model, tp, pp, s)) for s in {0, pp - 1})
-        if training.distributed_optimizer:
-            rows.append(_row("dp-cp", "reduce_scatter", n, 1, params * nbytes["gradients"]))
-            rows.append(_row("dp-cp", "all_gather", n, 1, params * nbytes["weights"]))
-        else:
-            rows.append(_row("dp-cp", "all_reduce", n, 1, params * nbytes["gradients"]))
+    rows += zero_traffic(model, training, tp, pp, dp * cp, microbatches)
     return rows
+
+
+def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: int, microbatches: int) -> list[dict]:
+    """The dp-cp rows of the pipeline rank with the most parameters, at the training's ZeRO stage.
+
+    Stage 0 all-reduces the fp32 gradients once per step (bucketed: one call); stages 1-2
+    reduce-scatter them and all-gather the updated weights (the same bytes as the
+    all-reduce); stage 3 all-gathers every parameter before its forward and again before
+    its backward and reduce-scatters its gradient, per parameter and micro-batch.
+
+        >>> m = ModelSpec(num_layers=1, hidden_size=4, num_attention_heads=1, seq_length=2, vocab_size=0,
+        ...               bias=False, normalization="rmsnorm", position_embedding="rope")
+        >>> rows = zero_traffic(m, TrainingSpec(zero_stage=3, precision="fp32"), 1, 1, 2, 1)
+        >>> [(r["op"], r["count"], r["bytes"]) for r in rows]  # 7 tensors, 204 fp32 values, x 1/2
+        [('all_gather', 14, 816), ('reduce_scatter', 7, 408)]
+    """
+    if d <= 1:
+        return []
+    shapes = max((stage_shapes(model, tp, pp, s, training) for s in range(pp)),
+                 key=lambda sh: sharded_elements(sh, 1))
+    padded = d * sharded_elements(shapes, d)  # the all-gathered / reduce-scattered buffer
+    w = BYTES[training.precision]["weights"]
+    if training.zero_stage == 0:
+        return [_row("dp-cp", "all_reduce", d, 1, sharded_elements(shapes, 1) * GRADIENT_BYTES)]
+    if training.zero_stage < 3:
+        return [_row("dp-cp", "reduce_scatter", d, 1, padded * GRADIENT_BYTES),
+                _row("dp-cp", "all_gather", d, 1, padded * w)]
+    tensors = sum(n for _, _, n in shapes)
+    return [_row("dp-cp", "all_gather", d, 2 * tensors * microbatches, 2 * microbatches * padded * w),
+            _row("dp-cp", "reduce_scatter", d, tensors * microbatches, microbatches * padded * w)]
 
 
 def timed(rows: list[dict], crossing: dict, cluster: ClusterSpec) -> dict:

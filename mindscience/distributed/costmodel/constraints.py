@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from .errors import ModelConstraintError
+from .params import model_stage_layers
 from .spec import ModelSpec, TrainingSpec
 
 
@@ -35,7 +36,8 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
       context parallelism splits each tp rank's heads again over cp;
     * ``ffn_hidden_size % tp``, ``vocab_size % tp``: column-parallel MLP and the
       vocabulary-parallel embedding split these over tp;
-    * ``num_layers % pp``: every pipeline stage holds the same number of layers;
+    * ``num_layers % pp``: the layers cut into pp stages, evenly or with the training's
+      unequal-stage options (:func:`~..pipeline.split.stage_layers`);
     * ``seq_length % (tp*cp)`` with sequence parallelism (else ``seq_length % cp``);
     * ``global_batch_size % (micro_batch_size*dp)`` when the global batch is given;
     * with ``virtual_pipeline_stages`` v > 1 and pp > 1 (interleaved 1F1B):
@@ -69,15 +71,24 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
         add("vocab_size % tp", f"vocab_size={model.vocab_size} is not divisible by tp={tp}: the embedding "
             f"and the output layer split the vocabulary over tp. Pad vocab_size to a multiple of {tp} "
             f"(Megatron pads to a multiple of 128*tp = {128 * tp}).")
-    if model.num_layers % pp:
-        add("num_layers % pp", f"num_layers={model.num_layers} is not divisible by pp={pp}: every "
-            f"pipeline stage holds the same number of layers. Use a pp that divides {model.num_layers} "
-            f"({_divisors(model.num_layers)}).")
     v = training.virtual_pipeline_stages
-    if v > 1 and pp > 1 and not model.num_layers % pp and model.num_layers % (pp * v):
-        add("num_layers % (pp*virtual_pipeline_stages)", f"num_layers={model.num_layers} is not divisible by "
-            f"pp*virtual_pipeline_stages = {pp}*{v} = {pp * v}: the interleaved schedule gives every rank {v} "
-            f"equal model chunks. Use a pp and virtual_pipeline_stages whose product divides {model.num_layers}.")
+    uneven = (training.first_stage_layers, training.last_stage_layers) != (None, None) or \
+        training.account_for_embedding_in_pipeline_split or training.account_for_loss_in_pipeline_split
+    try:
+        model_stage_layers(model, training, pp)
+    except ModelConstraintError as err:
+        if uneven:  # the cut options were given: stage_layers' own message names them
+            add("num_layers % pp", str(err))
+        elif model.num_layers % pp:
+            add("num_layers % pp", f"num_layers={model.num_layers} is not divisible by pp={pp}: every "
+                f"pipeline stage holds the same number of layers. Use a pp that divides {model.num_layers} "
+                f"({_divisors(model.num_layers)}), or cut unequal stages with training.first_stage_layers/"
+                "last_stage_layers or account_for_embedding/loss_in_pipeline_split.")
+        else:
+            add("num_layers % (pp*virtual_pipeline_stages)", f"num_layers={model.num_layers} is not divisible "
+                f"by pp*virtual_pipeline_stages = {pp}*{v} = {pp * v}: the interleaved schedule gives every "
+                f"rank {v} equal model chunks. Use a pp and virtual_pipeline_stages whose product divides "
+                f"{model.num_layers}.")
     s = model.seq_length
     if training.sequence_parallel and s % (tp * cp):
         add("seq_length % (tp*cp)", f"seq_length={s} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}: "

@@ -2,20 +2,21 @@
 
 Sources (the derivations are in docs/COST_MODEL.md):
 
-* parameters: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-  Clusters Using Megatron-LM", eq. for GPT: ``12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))``,
-  generalised to grouped-query attention and any MLP width;
-* bytes per parameter: Megatron's theoretical memory report (``18`` for mixed-precision
-  Adam, ``6 + 12/(dp*cp)`` with the distributed optimizer);
+* parameters: :mod:`.params` (the structure ``GPTModel`` builds; Narayanan et al. 2021's
+  ``12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))`` for the GPT defaults);
+* bytes per parameter: contract C2, what ``DistributedOptimizer`` allocates at ZeRO stages
+  0-3 (``18`` for mixed-precision Adam at stage 0, ``6 + 12/d`` at stage 1, Megatron's
+  theoretical memory report and Rajbhandari et al. 2020);
 * activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models", Table 2 and section 4.3, with 1F1B's micro-batches in flight.
 
-Worked example (GPT-3 175B, tp=8, pp=8, sequence parallelism, selective recomputation):
-one layer holds ``s*b*h*34/t = 2048*1*12288*34/8`` bytes of activations per micro-batch::
+Worked example (GPT-3 175B with dropout, tp=8, pp=8, sequence parallelism, selective
+recomputation): one layer holds ``s*b*h*34/t = 2048*1*12288*34/8`` bytes of activations
+per micro-batch::
 
     >>> from mindscience.distributed.costmodel.spec import ModelSpec, TrainingSpec
     >>> gpt3 = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96,
-    ...                  seq_length=2048, vocab_size=51200)
+    ...                  seq_length=2048, vocab_size=51200, dropout=0.1)
     >>> layer_activation_bytes(gpt3, TrainingSpec(recompute="selective"), tp=8, cp=1)
     106954752
     >>> total_parameters(gpt3)
@@ -25,71 +26,57 @@ one layer holds ``s*b*h*34/t = 2048*1*12288*34/8`` bytes of activations per micr
 from __future__ import annotations
 
 from dataclasses import replace
+from math import prod
 
+from .params import (embedding_parameters, layer_parameters, layer_shapes, mlp_fc1_width, rank_layers,
+                     sharded_elements, stage_parameters, stage_shapes, total_parameters)
 from .spec import ModelSpec, TrainingSpec
 
-# precision -> bytes per parameter of (weights, gradients, optimizer state) and per
-# activation element. Mixed precision keeps fp32 gradients and an fp32 master copy plus
-# Adam's two moments (4 + 4 + 4); fp32 training needs no master copy.
+__all__ = ["embedding_parameters", "layer_parameters", "stage_parameters", "total_parameters",
+           "bytes_per_parameter", "layer_activation_bytes", "stage_rows"]
+
+# precision -> bytes of one model parameter (weights) and of one activation element.
 BYTES = {
-    "bf16": {"weights": 2, "gradients": 4, "optimizer": 12, "activation": 2},
-    "fp16": {"weights": 2, "gradients": 4, "optimizer": 12, "activation": 2},
-    "fp32": {"weights": 4, "gradients": 4, "optimizer": 8, "activation": 4},
+    "bf16": {"weights": 2, "activation": 2},
+    "fp16": {"weights": 2, "activation": 2},
+    "fp32": {"weights": 4, "activation": 4},
 }
+GRADIENT_BYTES = 4  # the fp32 reduced gradient (contract C2)
+MAIN_WEIGHT_BYTES = 4  # fp32 main weights
+ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 TOKEN_ID_BYTES = 8  # int64 input ids
 LOGIT_BYTES = 4  # the cross-entropy keeps fp32 logits
+MASK_BYTES = 1  # a dropout mask element
 
 
-def layer_parameters(model: ModelSpec) -> tuple[int, int]:
-    """One transformer layer's parameters as ``(split over tp, replicated on every tp rank)``.
+def bytes_per_parameter(precision: str, zero_stage: int, d: int) -> dict:
+    """Bytes per local parameter element a rank holds (contract C2), ``d`` = optimizer group size.
 
-    Split (column/row parallel): QKV weight ``h*(h + 2gd)`` and bias ``h + 2gd``, output
-    projection ``h*h``, MLP ``2*h*f`` and first bias ``f``. Replicated: the output
-    projection's and second MLP bias (``2h``) and two layernorms (``4h``). With
-    ``g = a`` and ``f = 4h`` the sum is Narayanan's ``12h^2 + 13h``.
+    Weights ``w`` (stage 3: ``w/d``); fp32 gradients 4 (stages 2-3: ``4/d``); Adam's
+    moments 8 plus the fp32 main weights 4, kept at stages 1-3 always and at stage 0 when
+    ``w != 4``, all ``/d`` at stages 1-3. Exact for parameters whose dim 0 divides by
+    ``d``; :func:`stage_rows` counts the padded shards instead.
+
+        >>> [sum(bytes_per_parameter("bf16", z, 8).values()) for z in range(4)]
+        [18, 7.5, 4.0, 2.25]
+        >>> [sum(bytes_per_parameter("fp32", z, 4).values()) for z in range(4)]
+        [16, 11.0, 8.0, 5.0]
     """
-    h, f = model.hidden_size, model.ffn_hidden_size
-    kv = 2 * model.num_query_groups * model.kv_channels
-    split = h * (h + kv) + (h + kv) + h * h + 2 * h * f + f
-    return split, 6 * h
-
-
-def embedding_parameters(model: ModelSpec) -> tuple[int, int]:
-    """First-stage embeddings as ``(split, replicated)``: words ``v*h`` split over tp
-    (vocabulary-parallel), learned positions ``s*h`` replicated."""
-    return model.vocab_size * model.hidden_size, model.seq_length * model.hidden_size
-
-
-def total_parameters(model: ModelSpec) -> int:
-    """All parameters: layers, embeddings (the output layer is tied to them) and the final layernorm."""
-    split, replicated = layer_parameters(model)
-    words, positions = embedding_parameters(model)
-    return model.num_layers * (split + replicated) + words + positions + 2 * model.hidden_size
-
-
-def stage_parameters(model: ModelSpec, tp: int, pp: int, stage: int) -> tuple[int, int]:
-    """Parameters one rank of ``stage`` holds, as ``(its shard of the split ones, replicated)``.
-
-    The first stage adds the embeddings, the last the final layernorm. Summed over the
-    tp ranks and stages, ``tp * shard + replicated`` gives :func:`total_parameters`.
-    """
-    split, replicated = layer_parameters(model)
-    layers = model.num_layers // pp
-    shard, whole = layers * split // tp, layers * replicated
-    if stage == 0:
-        words, positions = embedding_parameters(model)
-        shard += words // tp
-        whole += positions
-    if stage == pp - 1:
-        whole += 2 * model.hidden_size
-    return shard, whole
+    w = BYTES[precision]["weights"]
+    main = MAIN_WEIGHT_BYTES if zero_stage >= 1 or w != MAIN_WEIGHT_BYTES else 0
+    optimizer = ADAM_MOMENT_BYTES + main
+    return {
+        "weights": w / d if zero_stage >= 3 else w,
+        "gradients": GRADIENT_BYTES / d if zero_stage >= 2 else GRADIENT_BYTES,
+        "optimizer": optimizer / d if zero_stage >= 1 else optimizer,
+    }
 
 
 def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int) -> int:
     """Activation bytes one layer keeps per micro-batch on one rank (Korthikanti Table 2).
 
-    In bytes per ``s*b*h`` element at 16 bits: 10 not split by tp (layernorm and linear
-    inputs, 2 dropout masks), 24 split by tp (Q, K, V, projection input, MLP), and
+    In bytes per ``s*b*h`` element at 16 bits with dropout: 10 not split by tp (norm and
+    linear inputs, 2 dropout masks), 24 split by tp (Q, K, V, projection input, MLP), and
     ``5*a*s/h`` for the attention scores (softmax, its dropout mask and output):
 
     * no recomputation: ``10 + 24/t + 5as/(ht)``; with sequence parallelism
@@ -97,24 +84,29 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp
     * selective (attention core recomputed): ``10 + 24/t``, ``34/t`` with sequence parallelism;
     * full: ``2`` (the layer input), ``2/t`` with sequence parallelism.
 
-    Generalisations (exact at ``g = a``, ``f = 4h``, 16 bits, ``cp = 1``): the split 24 is
-    ``2*(2 + 2g/a + 2f/h)``; at 32 bits every non-mask term doubles; the sequence in the
-    ``s*b*h`` factor is the rank's ``s/cp``, while Ulysses attention holds ``a/(t*cp)``
-    heads over the full ``s`` (scores ``5*a*s^2*b/(t*cp)``).
+    Generalisations (exact at ``g = a``, ``f = 4h``, gelu, 16 bits, ``cp = 1``, dropout):
+    the split 24 is ``2*(2 + 2g/a + 2f/h)``, SwiGLU keeps its fused ``2f`` input and ``f``
+    output (``2*(2 + 2g/a + 3f/h)``); without dropout (``model.dropout == 0``, the default)
+    the three masks are gone (``8 + 24/t``, scores ``2as/(ht)``); at 32 bits every
+    non-mask term doubles; the sequence in the ``s*b*h`` factor is the rank's ``s/cp``,
+    while Ulysses attention holds ``a/(t*cp)`` heads over the full ``s``.
     """
     h, a, b = model.hidden_size, model.num_attention_heads, training.micro_batch_size
     nbytes = BYTES[training.precision]["activation"]
+    masks = MASK_BYTES if model.dropout > 0 else 0
     local = model.seq_length // cp
     sbh = local * b * h
     sp = training.sequence_parallel and tp > 1
     if training.recompute == "full":
         return nbytes * sbh // (tp if sp else 1)
     kv = 2 * model.num_query_groups * model.kv_channels
-    replicated = (4 * nbytes + 2) * sbh  # 4 activations + 2 one-byte dropout masks
-    split = nbytes * local * b * (2 * h + kv + 2 * model.ffn_hidden_size)
+    replicated = (4 * nbytes + 2 * masks) * sbh  # 4 activations + 2 dropout masks
+    mlp = mlp_fc1_width(model) + model.ffn_hidden_size  # fc1 output (activation input) + fc2 input
+    split = nbytes * local * b * (2 * h + kv + mlp)
     total = (replicated + split) // tp if sp else replicated + split // tp
     if training.recompute == "none":
-        total += (2 * nbytes + 1) * a * model.seq_length * local * b // tp
+        scores = (2 * nbytes + masks) if masks else nbytes  # softmax output (+ mask and dropped copy)
+        total += scores * a * model.seq_length * local * b // tp
     return total
 
 
@@ -132,19 +124,33 @@ def working_set_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int
     return everything - layer_activation_bytes(model, training, tp, cp)
 
 
+def gathered_bytes(model: ModelSpec, training: TrainingSpec, tp: int) -> int:
+    """ZeRO-3's transient: one layer's all-gathered weights and their unreduced gradient.
+
+    ``fully_shard`` gathers a layer's full (tp-local) weights before its forward and again
+    before its backward, and the backward's gradient of them exists in the model dtype
+    until the reduce-scatter: ``2 * w * (the layer's tp-local parameters)``; 0 below stage 3.
+    """
+    if training.zero_stage < 3:
+        return 0
+    local = sum(prod(shape) for shape, _ in layer_shapes(model, tp))
+    return 2 * BYTES[training.precision]["weights"] * local
+
+
 def edge_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int) -> tuple[int, int]:
     """Per micro-batch extras of ``(the first stage, the last stage)`` (Korthikanti sec. 4.3).
 
-    First: int64 token ids ``8sb`` and the embedding dropout mask ``sbh`` (``/t`` with
-    sequence parallelism). Last: the final layernorm's and the output layer's inputs
-    ``2 * 2sbh`` (``/t`` with sequence parallelism) and fp32 logits ``4sbv/t``: at 16 bits
-    and with sequence parallelism, Korthikanti's ``4sbh/t * (1 + v/h)``.
+    First: int64 token ids ``8sb`` and, with dropout, the embedding dropout mask ``sbh``
+    (``/t`` with sequence parallelism). Last: the final norm's and the output layer's
+    inputs ``2 * 2sbh`` (``/t`` with sequence parallelism) and fp32 logits ``4sbv/t``: at
+    16 bits and with sequence parallelism, Korthikanti's ``4sbh/t * (1 + v/h)``.
     """
     b, h = training.micro_batch_size, model.hidden_size
     local = model.seq_length // cp
     nbytes = BYTES[training.precision]["activation"]
     shard = tp if training.sequence_parallel and tp > 1 else 1
-    first = TOKEN_ID_BYTES * local * b + local * b * h // shard
+    mask = MASK_BYTES * local * b * h // shard if model.dropout > 0 else 0
+    first = TOKEN_ID_BYTES * local * b + mask
     last = 2 * nbytes * local * b * h // shard + LOGIT_BYTES * local * b * model.vocab_size // tp
     return first, last
 
@@ -170,58 +176,71 @@ def in_flight(pp: int, stage: int, microbatches: int) -> int:
     return min(pp - stage, microbatches)
 
 
-def layers_in_flight(num_layers: int, pp: int, stage: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Layer activations (layers x micro-batches) stage ``stage`` holds at its peak.
+def layers_in_flight(layers: int, pp: int, stage: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Layer activations (layers x micro-batches) pipeline rank ``stage`` holds at its peak.
 
-    1F1B: ``l/p`` layers of ``min(p - i, m)`` micro-batches. Interleaved with ``v`` chunks
-    of ``l/(p v)`` layers: Megatron's warm-up runs ``2 (p - i - 1) + (v - 1) p`` chunk
-    forwards before the first backward, so ``2 (p - i - 1) + (v - 1) p + 1`` chunks are in
-    flight (at most ``v m``); on the first stage that is ``1 + (p - 1)/(p v)`` times
-    1F1B's ``l`` layers, Megatron's interleaving memory penalty.
+    ``layers``: the rank's layers (all its chunks). 1F1B: ``layers`` of ``min(p - i, m)``
+    micro-batches. Interleaved with ``v`` chunks (``layers / v`` each on average):
+    Megatron's warm-up runs ``2 (p - i - 1) + (v - 1) p`` chunk forwards before the first
+    backward, so ``2 (p - i - 1) + (v - 1) p + 1`` chunks are in flight (at most ``v m``);
+    on the first stage that is ``1 + (p - 1)/(p v)`` times 1F1B's, Megatron's interleaving
+    memory penalty.
 
-        >>> layers_in_flight(16, 4, 0, 8), layers_in_flight(16, 4, 0, 8, virtual_stages=2)
+        >>> layers_in_flight(4, 4, 0, 8), layers_in_flight(4, 4, 0, 8, virtual_stages=2)
         (16, 22.0)
     """
     if virtual_stages <= 1 or pp <= 1:
-        return num_layers // pp * in_flight(pp, stage, microbatches)
+        return layers * in_flight(pp, stage, microbatches)
     chunks = min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, virtual_stages * microbatches)
-    return num_layers / (pp * virtual_stages) * chunks
+    return layers / virtual_stages * chunks
 
 
 def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
                communicator_bytes: int = 0) -> list[dict]:
-    """One memory row per pipeline stage (the JSON ``memory.stages``), in bytes per rank."""
-    per_param = BYTES[training.precision]
-    optimizer = per_param["optimizer"]
-    shards = dp * cp if training.distributed_optimizer else 1
+    """One memory row per pipeline rank (the JSON ``memory.stages``), in bytes per rank.
+
+    Weights, gradients and optimizer state follow :func:`bytes_per_parameter` (contract
+    C2) with the ZeRO shards counted per parameter, padding included (contract C1):
+    ``sharded`` = :func:`~.params.sharded_elements` over ``d = dp * cp``. Layers per rank
+    follow the training's stage cut, so an unequal first or last stage shows here.
+    """
+    w = BYTES[training.precision]["weights"]
+    stage_z, d = training.zero_stage, dp * cp
+    main = MAIN_WEIGHT_BYTES if stage_z >= 1 or w != MAIN_WEIGHT_BYTES else 0
     layer = layer_activation_bytes(model, training, tp, cp)
     first, last = edge_activation_bytes(model, training, tp, cp)
     working = working_set_bytes(model, training, tp, cp)
+    gathered = gathered_bytes(model, training, tp)
     m = num_microbatches(training, dp, tp * cp * pp * dp)
+    v = training.virtual_pipeline_stages if pp > 1 else 1
+    per_rank = rank_layers(model, training, pp)
     rows = []
     for stage in range(pp):
-        shard, whole = stage_parameters(model, tp, pp, stage)
-        params = shard + whole
+        shapes = stage_shapes(model, tp, pp, stage, training)
+        params = sum(n * prod(shape) for shape, _, n in shapes)
+        sharded = sharded_elements(shapes, d) if d > 1 else params
         flying = in_flight(pp, stage, m)
-        layers = model.num_layers // pp
-        held = layers_in_flight(model.num_layers, pp, stage, m, training.virtual_pipeline_stages)
-        activations = round(held * layer) + working
+        held = layers_in_flight(per_rank[stage], pp, stage, m, v)
+        activations = round(held * layer) + (working if per_rank[stage] else 0)
         if stage == 0:
             activations += first * flying
         if stage == pp - 1:
             activations += last
         row = {
             "stage": stage,
-            "layers": layers,
+            "layers": per_rank[stage],
             "parameters": params,
-            "weights_bytes": params * per_param["weights"],
-            "gradients_bytes": params * per_param["gradients"],
-            "optimizer_bytes": -(-params * optimizer // shards),
+            "zero_stage": stage_z,
+            "weights_bytes": w * (sharded if stage_z >= 3 else params),
+            "gradients_bytes": GRADIENT_BYTES * (sharded if stage_z >= 2 else params),
+            "optimizer_bytes": (ADAM_MOMENT_BYTES + main) * (sharded if stage_z >= 1 else params),
             "activations_bytes": activations,
+            "gathered_bytes": gathered if per_rank[stage] else 0,
             "communicator_bytes": communicator_bytes,
             "microbatches_in_flight": flying,
         }
         row["total_bytes"] = sum(row[k] for k in (
-            "weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "communicator_bytes"))
+            "weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "gathered_bytes",
+            "communicator_bytes"))
         rows.append(row)
     return rows

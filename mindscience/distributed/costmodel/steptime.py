@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from .comm import traffic
 from .memory import BYTES, num_microbatches, pipeline_bubble
+from .params import mlp_fc1_width, rank_layers
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 TERMS = ("compute_s", "bubble_s", "tp_s", "cp_s", "pp_s", "dp_s")
@@ -50,7 +51,8 @@ def layer_forward_flops(model: ModelSpec, tokens: int, context: int) -> dict:
 
     ``{"linear": ..., "attention": ...}``: the projections and the MLP
     (``2*tokens*h*(h + 2*g*k)`` for q, k, v, ``2*tokens*h^2`` for the output projection,
-    ``4*tokens*h*f`` for the MLP) and the two attention-score matmuls
+    ``4*tokens*h*f`` for a GeLU MLP, ``6*tokens*h*f`` for SwiGLU's three matrices) and the
+    two attention-score matmuls
     (``4*tokens*context*h``: ``Q K^T`` and ``P V``). With ``g = a``, ``f = 4h`` and
     ``tokens = context = s`` the sum is Narayanan's ``24 s h^2 + 4 s^2 h``.
 
@@ -60,7 +62,7 @@ def layer_forward_flops(model: ModelSpec, tokens: int, context: int) -> dict:
     """
     h, f = model.hidden_size, model.ffn_hidden_size
     kv = 2 * model.num_query_groups * model.kv_channels
-    linear = 2 * tokens * h * (h + kv) + 2 * tokens * h * h + 4 * tokens * h * f
+    linear = 2 * tokens * h * (h + kv) + 2 * tokens * h * h + 2 * tokens * h * (mlp_fc1_width(model) + f)
     return {"linear": linear, "attention": 4 * tokens * context * h}
 
 
@@ -81,20 +83,26 @@ def model_flops_per_sample(model: ModelSpec) -> int:
 
 
 def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int) -> dict:
-    """FLOPs one rank of the busiest stage runs per micro-batch: ``{"forward", "backward", "total"}``.
+    """FLOPs one rank of the busiest stage runs per micro-batch: ``{"forward", "backward", "total", "stage"}``.
 
     The backward is twice the forward, plus what is recomputed before it: the layers'
-    forward (``full``) or their attention-score matmuls (``selective``). The last stage
-    adds the logits, so it is the busiest whenever there is a vocabulary.
+    forward (``full``) or their attention-score matmuls (``selective``). A rank's layers
+    follow the training's stage cut (all its chunks); the last stage adds the logits.
+    ``stage`` is the busiest pipeline rank (the later one on a tie).
     """
     b, s = training.micro_batch_size, model.seq_length
     layer = layer_forward_flops(model, b * s // cp, s)
-    layers = model.num_layers // pp
-    forward = layers * (layer["linear"] + layer["attention"]) / tp
-    recomputed = {"none": 0, "selective": layers * layer["attention"] / tp, "full": forward}[training.recompute]
-    forward_last = forward + logits_forward_flops(model, b * s // cp) / tp
-    backward_last = 2 * forward_last + recomputed
-    return {"forward": forward_last, "backward": backward_last, "total": forward_last + backward_last}
+    logits = logits_forward_flops(model, b * s // cp) / tp
+    best = None
+    for stage, layers in enumerate(rank_layers(model, training, pp)):
+        forward = layers * (layer["linear"] + layer["attention"]) / tp
+        recomputed = {"none": 0, "selective": layers * layer["attention"] / tp,
+                      "full": forward}[training.recompute]
+        forward += logits if stage == pp - 1 else 0
+        backward = 2 * forward + recomputed
+        if best is None or forward + backward >= best["total"]:
+            best = {"forward": forward, "backward": backward, "total": forward + backward, "stage": stage}
+    return best
 
 
 def _link(cluster: ClusterSpec, crosses: bool) -> tuple[float, float]:

@@ -1,0 +1,189 @@
+"""Parameters of a GPT-style model, per layer, per pipeline stage and per ZeRO shard (pure).
+
+The structure is the one ``GPTModel`` builds (contract C4 of the models), so
+``config.num_parameters() == total_parameters(model)`` for every architecture option.
+Weights are ``(out_features, in_features)`` as the library's linear layers hold them;
+column-parallel layers split dim 0 over tp, row-parallel ones dim 1:
+
+=======================  ===================================  =================================
+parameter                local shape on a tp rank              present when
+=======================  ===================================  =================================
+input / post-attn norm   ``(h,)`` weight (+ ``(h,)`` bias)      always (bias with layernorm)
+fused QKV (column)       ``((h + 2gd)/t, h)`` + bias           bias: ``model.bias``
+attention out (row)      ``(h, h/t)`` + bias ``(h,)``           bias: ``model.bias``
+MLP fc1 (column)         ``(F/t, h)`` + bias ``(F/t,)``         ``F = f`` (gelu), ``2f`` (swiglu)
+MLP fc2 (row)            ``(h, f/t)`` + bias ``(h,)``           bias: ``model.bias``
+word embedding           ``(V/t, h)`` (vocabulary-parallel)    first stage, ``V > 0``
+learned positions        ``(s, h)``                            first stage, ``learned``
+final norm               ``(h,)`` (+ ``(h,)``)                 last stage
+output layer             ``(V/t, h)``                          last stage, untied; with
+                                                               ``pp > 1`` a tied model's last
+                                                               stage holds a copy of the word
+                                                               embedding (summed over the
+                                                               embedding group)
+=======================  ===================================  =================================
+
+ZeRO shards (contract C1): a parameter of local shape ``(r, *rest)`` sharded over ``d``
+ranks keeps ``c = ceil(r / d)`` rows (zero-padded), so a rank holds
+``sum(ceil(r / d) * prod(rest))`` elements (:func:`sharded_elements`).
+
+Example, tiny-llama (h 64, 4 heads in 2 groups, f 128, V 256, rmsnorm, swiglu, rope, untied,
+no bias): a layer is ``64 + 64*128 + 64*64 + 64 + 256*64 + 64*128 = 36,992`` parameters::
+
+    >>> from mindscience.distributed.costmodel.spec import ModelSpec
+    >>> m = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    ...               ffn_hidden_size=128, seq_length=64, vocab_size=256, normalization="rmsnorm",
+    ...               activation="swiglu", position_embedding="rope", tie_embeddings=False, bias=False)
+    >>> sum(layer_parameters(m)), total_parameters(m)
+    (36992, 180800)
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from ..pipeline.split import stage_layers
+from .spec import ModelSpec, TrainingSpec
+
+
+def norm_parameters(model: ModelSpec) -> int:
+    """One normalization layer: ``2h`` (layernorm: weight and bias) or ``h`` (rmsnorm)."""
+    return (2 if model.normalization == "layernorm" else 1) * model.hidden_size
+
+
+def mlp_fc1_width(model: ModelSpec) -> int:
+    """Output features of the first MLP matrix: ``f`` (gelu), ``2f`` (swiglu: gate and up fused)."""
+    return (2 if model.activation == "swiglu" else 1) * model.ffn_hidden_size
+
+
+def layer_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[tuple, bool]]:
+    """``[(local shape, split over tp)]`` of one layer's parameters on a tp rank (table above)."""
+    h, f, fc1 = model.hidden_size, model.ffn_hidden_size, mlp_fc1_width(model)
+    qkv = h + 2 * model.num_query_groups * model.kv_channels
+    norm = [((h,), False)] * (2 if model.normalization == "layernorm" else 1)
+    shapes = list(norm)
+    shapes.append(((qkv // tp, h), True))
+    if model.bias:
+        shapes.append(((qkv // tp,), True))
+    shapes.append(((h, h // tp), True))
+    if model.bias:
+        shapes.append(((h,), False))
+    shapes += norm
+    shapes.append(((fc1 // tp, h), True))
+    if model.bias:
+        shapes.append(((fc1 // tp,), True))
+    shapes.append(((h, f // tp), True))
+    if model.bias:
+        shapes.append(((h,), False))
+    return shapes
+
+
+def layer_parameters(model: ModelSpec) -> tuple[int, int]:
+    """One layer's parameters as ``(split over tp, replicated on every tp rank)``, whole-model counts.
+
+    Split: QKV ``h (h + 2gd)``, output projection ``h^2``, MLP ``h F + f h`` and, with
+    biases, ``h + 2gd + F``; replicated: two norms and, with biases, the two row-parallel
+    biases ``2h``. With the GPT defaults (``g = a``, ``f = 4h``) the sum is Narayanan's
+    ``12h^2 + 13h``.
+    """
+    split = sum(prod(shape) for shape, is_split in layer_shapes(model) if is_split)
+    return split, sum(prod(shape) for shape, is_split in layer_shapes(model) if not is_split)
+
+
+def embedding_parameters(model: ModelSpec) -> tuple[int, int]:
+    """First-stage embeddings as ``(split, replicated)``: words ``V h`` (vocabulary-parallel),
+    learned positions ``s h`` (none with rope)."""
+    positions = model.seq_length * model.hidden_size if model.position_embedding == "learned" else 0
+    return model.vocab_size * model.hidden_size, positions
+
+
+def output_parameters(model: ModelSpec) -> int:
+    """The untied output layer ``V h`` (0 when tied to the embedding)."""
+    return 0 if model.tie_embeddings else model.vocab_size * model.hidden_size
+
+
+def total_parameters(model: ModelSpec) -> int:
+    """All parameters: layers, embeddings, the final norm and an untied output layer."""
+    words, positions = embedding_parameters(model)
+    return (model.num_layers * sum(layer_parameters(model)) + words + positions
+            + norm_parameters(model) + output_parameters(model))
+
+
+def _training(training: TrainingSpec | None) -> TrainingSpec:
+    return training if training is not None else TrainingSpec()
+
+
+def model_stage_layers(model: ModelSpec, training: TrainingSpec | None, pp: int) -> list[int]:
+    """Layers of every model stage (``pp * v`` entries), cut by :func:`~..pipeline.split.stage_layers`
+    with the training's unequal-stage options (ignored at ``pp = 1``).
+
+    Raises:
+        ModelConstraintError: the layers cannot be cut so (named ``num_layers % pp``).
+    """
+    training = _training(training)
+    v = training.virtual_pipeline_stages if pp > 1 else 1
+    if pp == 1:  # one stage holds everything: the cut options have nothing to cut
+        return [model.num_layers]
+    return stage_layers(
+        model.num_layers, pp, v, first_stage_layers=training.first_stage_layers,
+        last_stage_layers=training.last_stage_layers,
+        account_for_embedding_in_pipeline_split=training.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=training.account_for_loss_in_pipeline_split)
+
+
+def rank_layers(model: ModelSpec, training: TrainingSpec | None, pp: int) -> list[int]:
+    """Layers each pipeline rank holds (the sum of its ``v`` chunks; model stage ``c * pp + i``).
+
+        >>> m = ModelSpec(num_layers=126, hidden_size=64, num_attention_heads=1, seq_length=8, vocab_size=0)
+        >>> t = TrainingSpec(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+        >>> rank_layers(m, t, 16)
+        [7, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 7]
+    """
+    layers = model_stage_layers(model, training, pp)
+    return [sum(layers[i::pp]) for i in range(pp)]
+
+
+def stage_shapes(model: ModelSpec, tp: int, pp: int, stage: int,
+                 training: TrainingSpec | None = None) -> list[tuple[tuple, bool, int]]:
+    """``[(local shape, split over tp, how many)]`` of every parameter pipeline rank ``stage`` holds."""
+    h, vocab = model.hidden_size, model.vocab_size
+    layers = rank_layers(model, training, pp)[stage]
+    out = [(shape, split, layers) for shape, split in layer_shapes(model, tp)] if layers else []
+    words, positions = embedding_parameters(model)
+    if stage == 0:
+        if vocab:
+            out.append(((vocab // tp, h), True, 1))
+        if positions:
+            out.append(((model.seq_length, h), False, 1))
+    if stage == pp - 1:
+        out += [((h,), False, 1)] * (2 if model.normalization == "layernorm" else 1)
+        # The output matrix: untied, or the tied embedding's copy on a last stage of its own.
+        if vocab and (not model.tie_embeddings or pp > 1):
+            out.append(((vocab // tp, h), True, 1))
+    return out
+
+
+def stage_parameters(model: ModelSpec, tp: int, pp: int, stage: int,
+                     training: TrainingSpec | None = None) -> tuple[int, int]:
+    """Parameters pipeline rank ``stage`` holds on one tp rank, as ``(its tp shard, replicated)``.
+
+    Layers per rank come from the training's stage cut (even by default). The first stage
+    adds the embeddings, the last the final norm and the output layer (untied, or with
+    ``pp > 1`` the tied embedding's copy, which :func:`total_parameters` counts once).
+    """
+    shard = whole = 0
+    for shape, split, n in stage_shapes(model, tp, pp, stage, training):
+        if split:
+            shard += n * prod(shape)
+        else:
+            whole += n * prod(shape)
+    return shard, whole
+
+
+def sharded_elements(shapes, d: int) -> int:
+    """Elements a rank holds when every parameter is cut on dim 0 over ``d`` ranks (C1 padding).
+
+        >>> sharded_elements([((5, 3), True, 1), ((4,), False, 2)], 2)  # ceil(5/2)*3 + 2 * 4/2
+        13
+    """
+    return sum(n * -(-shape[0] // d) * prod(shape[1:]) for shape, _, n in shapes)
