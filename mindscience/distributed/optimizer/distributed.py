@@ -1,0 +1,462 @@
+"""The distributed optimizer Cell: ZeRO stages 0-3 in one step call.
+
+``opt(grads)`` takes the raw per-rank gradients (from ``value_and_grad`` or
+``pipeline.forward_backward``) and does the whole step:
+
+1. sequence-parallel gradients summed over tp and tied ``shared_embedding`` ones over the
+   embedding group (what :class:`~mindscience.distributed.finalize.GradientFinalizer`
+   does, reused with a size-1 dp-cp group);
+2. the dp-cp mean as bucketed collectives on fp32 flat buffers: an all-reduce at stage 0,
+   a reduce-scatter at stages 1-2 that lands on each parameter's C1 shard (see
+   :mod:`.layout`), nothing at stage 3 (``fully_shard``'s backward already did it);
+3. optionally the global gradient norm (over shards, tp and pp) and clipping;
+4. the update of this rank's shard on fp32 main weights (AdamW, Adam or SGD);
+5. bucketed all-gathers of the updated weights into the model's parameters, in the
+   model's dtype (stages 1-2); at stage 0 each rank updates the whole parameter, at
+   stage 3 the shard Parameter in place.
+
+What a rank holds (contract C2), per local parameter element, d the group size, w the
+model dtype's bytes: weights w (stage 3: w/d); the fp32 gradient buffer 4 (stages 0-1)
+or 4/d (2-3); main weights 4 (stages 1-3, and stage 0 when w != 4) and moments 8 (Adam)
+or 4 (SGD with momentum), divided by d at stages 1-3. :meth:`DistributedOptimizer.
+memory_bytes` counts them from the Parameters.
+
+Example, 4 ranks as dp4, stage 1, a (6, 4) weight: c = ceil(6/4) = 2, so rank 0 holds
+rows 0-1 of the main weight and moments, rank 2 rows 4-5, rank 3 two zero rows; every
+rank gets the whole updated (6, 4) weight back from the all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import dtype as mstype
+
+from .. import collectives as C
+from .. import manager
+from ..collectives import GroupLike, compiling
+from ..finalize import DEFAULT_BUCKET_MB, GradientFinalizer
+from ..group import ParallelGroup
+from . import rules
+from .errors import DistributedOptimizerError
+from .layout import param_shard, plan_buckets, shard_range, state_names
+from .validate import check_fsdp, check_grads, check_group, check_options, check_params
+
+__all__ = ["DistributedOptimizer"]
+
+_DTYPE_NAMES = {mstype.float16: "float16", mstype.bfloat16: "bfloat16",
+                mstype.float32: "float32", mstype.float64: "float64"}
+_ITEMSIZE = {mstype.float16: 2, mstype.bfloat16: 2, mstype.float32: 4, mstype.float64: 8,
+             mstype.int32: 4}
+
+
+def _dtype_name(dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def _group(group: Optional[GroupLike], getter: str, key: str) -> ParallelGroup:
+    if group is not None:
+        return C.resolve_group(group)
+    if manager.is_initialized():
+        return getattr(manager, getter)()
+    return ParallelGroup.trivial(key)
+
+
+def _world_rank() -> int:
+    if manager.is_initialized():
+        return manager._state().rank
+    from mindspore.communication import get_rank
+
+    return get_rank()
+
+
+def _nbytes(p) -> int:
+    return int(np.prod(p.shape, dtype=np.int64)) * _ITEMSIZE[p.dtype]
+
+
+class DistributedOptimizer(nn.Cell):
+    """A ZeRO stage 0-3 optimizer whose call does the whole distributed step.
+
+    Build it once, eagerly, from the trainable parameters (their order is the gradients'
+    order); call it with the raw per-rank gradients in PyNative, inside ``mindspore.jit``
+    or in GRAPH_MODE::
+
+        opt = DistributedOptimizer(net.trainable_params(), lr=1e-3, zero_stage=1)
+        grad_fn = ms.value_and_grad(net, None, opt.parameters)
+
+        @ms.jit
+        def train_step(x, y):
+            loss, grads = grad_fn(x, y)
+            return loss, opt(grads)
+
+    Args:
+        params: The parameters, in the order of the gradients.
+        optimizer: ``"adamw"`` (decoupled weight decay), ``"adam"`` (L2 decay added to the
+            gradient) or ``"sgd"`` (with ``momentum``, L2 decay).
+        lr: Learning rate, a float or a ``LearningRateSchedule`` evaluated at the number of
+            steps done before this one (0 at the first call).
+        betas: Adam's ``(beta1, beta2)``.
+        eps: Adam's epsilon (added to the bias-corrected ``sqrt(v)``).
+        weight_decay: Decay factor (see ``optimizer``).
+        zero_stage: 0 replicated state (all-reduce), 1 sharded optimizer state, 2 also a
+            sharded gradient buffer, 3 parameters already sharded by ``fully_shard``.
+        group: The group the state is sharded over and gradients averaged over; default
+            the manager's dp-cp group (size 1 when the manager is not initialized).
+        bucket_size_mb: Largest fp32 flat buffer in MiB; None for the default (32 MiB, as
+            GradientFinalizer), 0 for one buffer per parameter.
+        main_params_dtype: Dtype of the main weights and moments; float32 only.
+        max_grad_norm: Clip the global gradient norm to this value (None: no clipping).
+        momentum: SGD momentum (keyword-only; 0 gives plain SGD without state).
+        tp_group: Group of the sequence-parallel sum and of the norm; default the
+            manager's tp group.
+        pipeline_group: Group of the norm over stages; default the manager's pp group.
+        embedding_group: Group of the tied-embedding sum; default the manager's.
+
+    Inputs:
+        grads: Tuple of gradients, one per parameter, shaped like it, in its dtype or
+            float32.
+
+    Outputs:
+        With ``max_grad_norm``: the global gradient norm BEFORE clipping (float32 scalar,
+        the same on every rank; tp-replicated parameters and the second copy of a tied
+        embedding counted once, shard padding 0). Without: a bool scalar ``True`` (as
+        ``mindspore.nn.Optimizer``), which the caller may ``ops.depend`` on.
+
+    Raises:
+        DistributedOptimizerError: bad options, parameters or group (at construction);
+            gradients of the wrong count, shape or dtype (at the call, before any
+            collective). Inside compiled code the call raises a plain ValueError.
+    """
+
+    def __init__(self, params, optimizer: str = "adamw", lr=1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, zero_stage: int = 1,
+                 group: Optional[GroupLike] = None, bucket_size_mb: Optional[float] = None,
+                 main_params_dtype=mstype.float32, max_grad_norm: Optional[float] = None, *,
+                 momentum: float = 0.9, tp_group: Optional[GroupLike] = None,
+                 pipeline_group: Optional[GroupLike] = None,
+                 embedding_group: Optional[GroupLike] = None):
+        super().__init__(auto_prefix=False)
+        params = list(params)
+        schedule = isinstance(lr, nn.learning_rate_schedule.LearningRateSchedule)
+        beta1, beta2 = check_options(optimizer, zero_stage, betas, eps, weight_decay,
+                                     bucket_size_mb, max_grad_norm, momentum, schedule, lr)
+        if main_params_dtype != mstype.float32:
+            raise DistributedOptimizerError(
+                f"DistributedOptimizer: main_params_dtype={main_params_dtype} is invalid: expected mindspore.float32 "
+                "(the main weights and moments are fp32; the model may be bf16/fp16).")
+        dtype_names = [_dtype_name(getattr(p, "dtype", None)) for p in params]
+        check_params(params, dtype_names)
+        grp = _group(group, "get_data_context_parallel_group", "dp-cp")
+        dp_cp = None
+        if manager.is_initialized():
+            dp_cp = manager.get_layout().group_of(_world_rank(), "dp-cp")
+        check_group(grp, _world_rank() if grp.size > 1 or dp_cp is not None else grp.global_rank,
+                    dp_cp)
+        shapes = [tuple(p.shape) for p in params]
+        check_fsdp(params, shapes, zero_stage, grp)
+        # Compiling the per-parameter loops nests a few calls per parameter (see finalize).
+        need = 1000 + 24 * len(params)
+        if ms.get_context("max_call_depth") < need:
+            ms.set_context(max_call_depth=need)
+
+        self.stage = int(zero_stage)
+        self.kind = optimizer
+        self.d = grp.size
+        self.group = grp
+        self.num_params = len(params)
+        self.shapes = tuple(shapes)
+        self.dtype_names = tuple(dtype_names)
+        self.params = ParameterTuple(params)
+        full = [tuple(p.fsdp.full_shape) if self.stage == 3 else s for p, s in zip(params, shapes)]
+        self.shards = tuple(param_shard(s, self.d) for s in full)
+        sharded = self.stage > 0
+        mb = DEFAULT_BUCKET_MB if bucket_size_mb is None else bucket_size_mb
+        self.buckets = plan_buckets(self.shards, dtype_names, int(mb * (1 << 20)), sharded)
+        # Per parameter: the shape of its state and of its gradient inside the update.
+        self.state_shapes = tuple(sh.shard_shape if sharded else sh.shape for sh in self.shards)
+        self.comm = self.d > 1 and self.stage < 3
+        if self.comm:
+            self.k_eager = C.kernels(grp, False)
+            self.k_graph = C.kernels(grp, True)
+        self.scale = 1.0 / self.d
+
+        # tp / embedding sums: GradientFinalizer with a size-1 dp-cp group.
+        tp = _group(tp_group, "get_tensor_parallel_group", "tp")
+        emb = _group(embedding_group, "get_embedding_group", "embedding")
+        pp = _group(pipeline_group, "get_pipeline_parallel_group", "pp")
+        needs_pre = ((tp.size > 1 and any(getattr(p, "sequence_parallel", False) for p in params))
+                     or (emb.size > 1 and any(getattr(p, "shared_embedding", False) for p in params)))
+        self.pre = None
+        if needs_pre:
+            self.pre = GradientFinalizer(params, tp_group=tp, dp_cp_group=ParallelGroup.trivial("dp-cp"),
+                                         embedding_group=emb, bucket_size_mb=mb)
+
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._setup_norm(params, tp, pp)
+        self._setup_hyper(lr, schedule, beta1, beta2, eps, weight_decay, momentum)
+        self._setup_state(params)
+        for p in params:
+            p.msdist_optimizer_built = True
+
+    # ------------------------------------------------------------------ construction
+    def _setup_norm(self, params, tp, pp):
+        """Which parameters the norm counts on this rank, and the groups it sums over."""
+        counted = []
+        for p in params:
+            tp_split = getattr(p, "tensor_model_parallel", False) or getattr(p, "parallel_axis", None) == "tp"
+            # A tp-replicated parameter's gradient is the same on every tp rank; a tied
+            # embedding lives on the first and the last stage: count each once.
+            keep = tp_split or tp.rank == 0
+            keep = keep and not (getattr(p, "shared_embedding", False) and pp.size > 1 and pp.rank > 0)
+            counted.append(bool(keep))
+        self.counted = tuple(counted)
+        groups = []
+        if self.max_grad_norm is not None:
+            # Stage 0: every dp-cp rank holds the whole reduced gradient (no sum over it).
+            groups = [g for g in ((self.group if self.stage > 0 else None), tp, pp)
+                      if g is not None and g.size > 1]
+        self.num_norm_groups = len(groups)
+        self.norm_eager = nn.CellList([C.kernels(g, False) for g in groups])
+        self.norm_graph = nn.CellList([C.kernels(g, True) for g in groups])
+
+    def _setup_hyper(self, lr, schedule, beta1, beta2, eps, weight_decay, momentum):
+        self.lr_schedule = lr if schedule else None
+        self.lr = 0.0 if schedule else float(lr)
+        self.beta1, self.beta2 = beta1, beta2
+        self.eps = float(eps)
+        self.wd = float(weight_decay)
+        self.momentum = float(momentum)
+        self.has_momentum = self.kind == "sgd" and self.momentum > 0
+        self.log_beta1 = math.log(beta1) if beta1 > 0 else -1e30
+        self.log_beta2 = math.log(beta2) if beta2 > 0 else -1e30
+
+    def _setup_state(self, params):
+        """fp32 main weights (this rank's shard), moments and the gradient buffers."""
+        names = state_names(self.kind, self.momentum)
+        self.state_names = names
+        rank = self.group.rank
+        mains, moments = [], {n: [] for n in names}
+        self.has_main = self.stage > 0 or any(dt != "float32" for dt in self.dtype_names)
+        for p, sh, shape in zip(params, self.shards, self.state_shapes):
+            for n in names:
+                moments[n].append(Parameter(Tensor(np.zeros(shape, np.float32)), name=f"{p.name}.{n}",
+                                            requires_grad=False))
+            if not self.has_main:
+                continue
+            data = p.asnumpy() if p.dtype != mstype.bfloat16 else p.astype(mstype.float32).asnumpy()
+            data = np.asarray(data, np.float32).reshape(shape if self.stage == 3 else sh.shape)
+            if self.stage in (1, 2):
+                start, stop = shard_range(sh.rows, self.d, rank)
+                shard = np.zeros(sh.shard_shape, np.float32)
+                shard[: stop - start] = data[start:stop]
+                data = shard
+            mains.append(Parameter(Tensor(data), name=f"{p.name}.main", requires_grad=False))
+        self.mains = ParameterTuple(mains)
+        self.moments = tuple(ParameterTuple(moments[n]) for n in names)
+        self.m1 = self.moments[0] if names else ParameterTuple([])
+        self.m2 = self.moments[1] if len(names) > 1 else ParameterTuple([])
+        # Stages 0-1 keep the whole fp32 gradient (stage 1: padded, cut into d chunks);
+        # stages 2-3 only this rank's reduced chunk.
+        bufs = []
+        for b in self.buckets:
+            size = b.size if self.stage == 1 else b.chunk
+            first = params[b.members[0]].name
+            bufs.append(Parameter(Tensor(np.zeros((size,), np.float32)), name=f"{first}.grad_buffer",
+                                  requires_grad=False))
+        self.grad_buffers = ParameterTuple(bufs)
+        self.step = Parameter(Tensor(0, mstype.int32), name=f"{params[0].name}.optimizer_step",
+                              requires_grad=False)
+
+    # ------------------------------------------------------------------ accounting
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds (contract C2), counted from the Parameters, padding included.
+
+        Returns:
+            ``{"weights", "gradients", "optimizer"}``: the model's parameters (stage 3: the
+            shards), the fp32 gradient buffers, the main weights and moments (not the step
+            counter).
+        """
+        state = list(self.mains)
+        for group in self.moments:
+            state.extend(group)
+        return {"weights": sum(_nbytes(p) for p in self.params),
+                "gradients": sum(_nbytes(b) for b in self.grad_buffers),
+                "optimizer": sum(_nbytes(p) for p in state)}
+
+    def state_elements(self) -> int:
+        """Elements of the optimizer state (main weights + moments) on this rank."""
+        n = sum(int(np.prod(p.shape)) for p in self.mains)
+        for group in self.moments:
+            n += sum(int(np.prod(p.shape)) for p in group)
+        return n
+
+    # ------------------------------------------------------------------ step
+    def __call__(self, *args, **kwargs):
+        # PyNative: check the gradients with the typed error before any collective.
+        # (Compiled code checks in construct with built-in errors.)
+        if args and not compiling() and ms.get_context("mode") == ms.PYNATIVE_MODE:
+            grads = args[0]
+            check_grads(grads, self.shapes, self.dtype_names,
+                        [_dtype_name(getattr(g, "dtype", None)) for g in grads]
+                        if isinstance(grads, (tuple, list)) else ())
+        return super().__call__(*args, **kwargs)
+
+    def construct(self, grads):
+        self._check_compiled(grads)
+        step = self.step + 1
+        step = ops.depend(step, ops.assign(self.step, step))
+        lr = self._lr(step)
+        if self.pre is not None:
+            grads = self.pre(grads)
+        shards = self._reduce(grads)
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = self._norm(shards)
+            coef = ops.minimum(self.max_grad_norm / (norm + 1e-6), 1.0)
+            clipped = []
+            for g in shards:
+                clipped.append(g * coef)
+            shards = clipped
+        new = self._update(shards, step, lr)
+        done = self._write_back(new)
+        if norm is None:
+            return ops.depend(Tensor(True, mstype.bool_), done)
+        return ops.depend(norm, done)
+
+    def _check_compiled(self, grads):
+        if len(grads) != self.num_params:
+            raise ValueError("DistributedOptimizer: got " + str(len(grads)) + " gradients for "
+                             + str(self.num_params) + " parameters; pass the gradients of "
+                             "exactly the parameters the optimizer was built with")
+        for i in range(self.num_params):
+            if grads[i].shape != self.shapes[i]:
+                raise ValueError("DistributedOptimizer: grads[" + str(i) + "] has the wrong "
+                                 "shape; pass the gradients in the parameters' order")
+
+    def _lr(self, step):
+        if self.lr_schedule is None:
+            return self.lr
+        return self.lr_schedule(step - 1)
+
+    def _kernel(self):
+        if compiling():
+            return self.k_graph
+        return self.k_eager
+
+    def _flat(self, grads, bucket):
+        """The bucket's fp32 flat buffer (stages 1-2: ``d`` chunks, one per rank)."""
+        parts = []
+        for j in range(len(bucket.members)):
+            i = bucket.members[j]
+            sh = self.shards[i]
+            g = ops.cast(grads[i], mstype.float32)
+            if self.stage in (1, 2) and self.d > 1:
+                g = g.reshape((sh.rows, sh.rest))
+                if sh.pad:
+                    g = ops.cat((g, ops.zeros((sh.pad, sh.rest), mstype.float32)), 0)
+                g = g.reshape((self.d, sh.shard_numel))
+            else:
+                g = g.reshape((1, bucket.sections[j]))
+            parts.append(g)
+        flat = parts[0] if len(parts) == 1 else ops.cat(parts, 1)
+        return flat.reshape((-1,))
+
+    def _reduce(self, grads):
+        """Every parameter's reduced (mean) gradient, in its state shape (fp32)."""
+        out = [None] * self.num_params
+        for b in range(len(self.buckets)):
+            bucket = self.buckets[b]
+            flat = self._flat(grads, bucket)
+            if self.stage == 1:
+                flat = ops.depend(flat, ops.assign(self.grad_buffers[b], flat))
+            if self.comm:
+                if self.stage == 0:
+                    chunk = self._kernel().all_reduce(flat) * self.scale
+                else:
+                    chunk = self._kernel().reduce_scatter(flat) * self.scale
+            else:
+                chunk = flat
+            if self.stage != 1:
+                chunk = ops.depend(chunk, ops.assign(self.grad_buffers[b], chunk))
+            pieces = (chunk,) if len(bucket.members) == 1 else ops.split(chunk, bucket.sections, 0)
+            for j in range(len(bucket.members)):
+                i = bucket.members[j]
+                out[i] = pieces[j].reshape(self.state_shapes[i])
+        return out
+
+    def _norm(self, shards):
+        """The global L2 norm of the reduced gradients (see Outputs)."""
+        total = ops.zeros((), mstype.float32)
+        for i in range(self.num_params):
+            if self.counted[i]:
+                total = total + ops.sum(shards[i] * shards[i])
+        total = total.reshape((1,))
+        for k in range(self.num_norm_groups):
+            if compiling():
+                total = self.norm_graph[k].all_reduce(total)
+            else:
+                total = self.norm_eager[k].all_reduce(total)
+        return ops.sqrt(total.reshape(()))
+
+    def _update(self, shards, step, lr):
+        """The updated fp32 weights (this rank's shards at stages 1-3)."""
+        t = ops.cast(step, mstype.float32)
+        bc1 = 1.0 - ops.exp(t * self.log_beta1)
+        bc2_sqrt = ops.sqrt(1.0 - ops.exp(t * self.log_beta2))
+        new = []
+        for i in range(self.num_params):
+            if self.has_main:
+                w = self.mains[i]
+            else:
+                w = self.params[i]
+            if self.kind == "sgd":
+                buf = self.m1[i] if self.has_momentum else None
+                value = rules.sgd(w, shards[i], buf, lr, self.momentum, self.wd, self.has_momentum)
+            else:
+                value = rules.adam(w, shards[i], self.m1[i], self.m2[i], lr, self.beta1, self.beta2,
+                                   self.eps, self.wd, bc1, bc2_sqrt, self.kind == "adamw")
+            if self.has_main:
+                value = ops.depend(value, ops.assign(self.mains[i], value))
+            new.append(value)
+        return new
+
+    def _write_back(self, new):
+        """Write the updated weights into the model's parameters; returns a dependency."""
+        done = []
+        if self.stage in (1, 2) and self.d > 1:
+            for b in range(len(self.buckets)):
+                done.append(self._gather(new, self.buckets[b]))
+        else:
+            for i in range(self.num_params):
+                p = self.params[i]
+                done.append(ops.assign(p, ops.cast(new[i], p.dtype)))
+        return done
+
+    def _gather(self, new, bucket):
+        """All-gather the bucket's updated shards (model dtype) into its parameters."""
+        dtype = self.params[bucket.members[0]].dtype
+        if compiling() and dtype == mstype.bfloat16:
+            # CPU graph kernels of Reshape/Split lack bfloat16; the cast back is exact.
+            dtype = mstype.float32
+        parts = []
+        for i in bucket.members:
+            parts.append(ops.cast(new[i], dtype).reshape((-1,)))
+        flat = parts[0] if len(parts) == 1 else ops.cat(parts, 0)
+        full = self._kernel().all_gather(flat, 0).reshape((self.d, bucket.chunk))
+        cols = (full,) if len(bucket.members) == 1 else ops.split(full, bucket.sections, 1)
+        done = []
+        for j in range(len(bucket.members)):
+            i = bucket.members[j]
+            sh = self.shards[i]
+            p = self.params[i]
+            w = cols[j].reshape((self.d * sh.shard_rows, sh.rest))
+            if sh.pad:
+                w = w[: sh.rows]
+            done.append(ops.assign(p, ops.cast(w.reshape(self.shapes[i]), p.dtype)))
+        return done
+
