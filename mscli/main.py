@@ -1,4 +1,4 @@
-"""The ``msdist`` command line: ``plan`` and ``suggest`` (no device needed), ``verify`` and ``layouts``.
+"""The ``msdist`` command line: ``plan`` and ``suggest`` (no device needed), ``verify``, ``train`` and ``layouts``.
 
 Heavy imports (MindSpore, the launcher) happen inside the commands that need them, so
 ``msdist plan`` starts fast.
@@ -11,6 +11,7 @@ import typer
 from .commands.checkpoint import app as checkpoint_app
 from .commands.plan import plan
 from .commands.suggest import suggest
+from .commands.train import train
 
 app = typer.Typer(
     name="msdist",
@@ -22,6 +23,7 @@ app = typer.Typer(
 
 app.command("plan")(plan)
 app.command("suggest")(suggest)
+app.command("train")(train)
 app.add_typer(checkpoint_app, name="checkpoint")
 
 

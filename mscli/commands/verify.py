@@ -8,7 +8,6 @@ progress, and turns the per-rank JSON into one report.
 from __future__ import annotations
 
 import os
-import shlex
 from typing import Optional
 
 import typer
@@ -17,24 +16,10 @@ from .. import pictures, render
 from ..errors import EXIT_FAILED, UsageError, check_output_file, user_errors
 from ..layouts import load
 from .. import verify_report as vr
+from ..ranks import all_ranks, dry_run_lines, failure_rows, launch_ranks, plan_launch
 
 DEFAULT_TIMEOUT_S = 300
 QUICK_SIZE = 4096
-# A CPU rank holds ~0.4-1.5 GB (MindSpore runtime + buffers); keep a margin.
-CPU_RANK_MB = 700
-MAX_LOCAL_RANKS = 64
-
-
-def _local_capacity() -> int:
-    """How many CPU ranks this machine can hold at once, from its available memory."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return max(1, min(MAX_LOCAL_RANKS, int(line.split()[1]) // 1024 // CPU_RANK_MB))
-    except OSError:
-        pass
-    return MAX_LOCAL_RANKS
 
 
 def parse_fault(text: Optional[str]) -> Optional[dict]:
@@ -53,115 +38,6 @@ def parse_fault(text: Optional[str]) -> Optional[dict]:
         seconds = float(parts[2]) if len(parts) > 2 else 3600.0
         return {"name": "fault.hang", "params": {"ranks": [rank], "seconds": seconds}}
     raise UsageError(f"--inject-fault {text!r} is invalid: expected crash:RANK[:mode] or hang:RANK[:seconds].")
-
-
-def _plan_launch(layout, nodes, node_rank, master_addr, master_port, local, loopback_nodes):
-    """Decide where the ranks run; raise UsageError when this machine cannot run them."""
-    world = layout.world_size
-    if loopback_nodes and nodes:
-        raise UsageError("--loopback-nodes simulates nodes on this machine: drop --nodes/--node-rank/--master-addr.")
-    if nodes:
-        if nodes < 1 or world % nodes:
-            raise UsageError(f"--nodes {nodes} is invalid: expected a divisor of the world size {world}.")
-        if node_rank is None or not 0 <= node_rank < nodes:
-            raise UsageError(f"--node-rank {node_rank} is invalid: expected 0..{nodes - 1} (this node's index).")
-        if not master_addr:
-            raise UsageError("--nodes needs --master-addr HOST: the address of the node with rank 0.")
-        if nodes > 1 and node_rank > 0 and master_port is None:
-            raise UsageError("--node-rank > 0 needs --master-port P: the port the node with rank 0 uses.")
-        return {"mode": "cluster", "local": world // nodes}
-    if loopback_nodes:
-        if loopback_nodes < 1 or world % loopback_nodes:
-            raise UsageError(f"--loopback-nodes {loopback_nodes} is invalid: expected a divisor of {world}.")
-    run_local = local or layout.backend == "cpu" or loopback_nodes
-    if not run_local and layout.num_nodes > 1:
-        raise UsageError(
-            f"layout {layout.name or ''} has {world} ranks on {layout.num_nodes} nodes: run "
-            "msdist verify on every node with --nodes N --node-rank I --master-addr HOST, "
-            "or pass --local to run it on this machine's CPU."
-        )
-    if run_local:
-        capacity = _local_capacity()
-        if world > capacity:
-            raise UsageError(
-                f"world_size {world} is larger than this machine can run with --local "
-                f"(about {capacity} CPU ranks with its memory): use a smaller layout or "
-                "run on the cluster with --nodes."
-            )
-    return {"mode": "loopback" if loopback_nodes else "local", "local": world // (loopback_nodes or 1)}
-
-
-def _env(local: bool, layout) -> dict:
-    env = {}
-    if local or layout.backend == "cpu":
-        env["MSDIST_DEVICE_TARGET"] = "CPU"
-    return env
-
-
-def _dry_run(layout, nodes, master_addr, master_port, plan, log_dir) -> list[str]:
-    from mindscience.distributed.harness import build_msrun_command
-
-    count = nodes or 1
-    port = master_port or 8118
-    addr = master_addr or "127.0.0.1"
-    lines = []
-    for node in range(count):
-        cmd = build_msrun_command(
-            layout.world_size,
-            spec_path=os.path.join(log_dir, "spec.json"),
-            out_dir=os.path.join(log_dir, "results"),
-            log_dir=log_dir,
-            master_port=port,
-            local_worker_num=plan["local"],
-            node_rank=node,
-            master_addr=addr,
-        )
-        lines.append(f"# node {node}\n" + shlex.join(cmd))
-    return lines
-
-
-class _ProgressView:
-    """A Rich progress display of every rank's checks, on stderr."""
-
-    def __init__(self, world: int, total: int, enabled: bool):
-        self.progress = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(
-            TextColumn("[bold]rank {task.fields[rank]:>3}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            console=render.stderr_console(),
-            transient=True,
-        )
-        self.tasks = {}
-        shown = list(range(world))[:16]  # a very wide world would flood the screen
-        for rank in shown:
-            self.tasks[rank] = self.progress.add_task("", total=total, rank=rank, status="starting")
-
-    def __enter__(self):
-        if self.progress:
-            self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.progress:
-            self.progress.__exit__(*exc)
-
-    def update(self, snapshot: dict) -> None:
-        if not self.progress:
-            return
-        for rank, state in snapshot.get("ranks", {}).items():
-            task = self.tasks.get(int(rank))
-            if task is None:
-                continue
-            status = state.get("status") or "pending"
-            label = f"{status} {state.get('current') or ''}".strip()
-            self.progress.update(task, completed=state.get("done", 0), status=label)
 
 
 def verify(
@@ -192,6 +68,9 @@ def verify(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the msrun command of every node and exit."),
     log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Folder for msrun logs and per-rank results."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every correctness row, not only the summary and the failures."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Also train this model (file or preset, e.g. tiny-gpt) two steps at the "
+        "layout and compare the losses with the dense model's on the same batches (summary family 'train')."),
     inject_fault: Optional[str] = typer.Option(None, "--inject-fault", hidden=True, help="Testing: crash:RANK[:mode] or hang:RANK[:s]."),
 ) -> None:
     """Launch the layout's ranks, check every group, mapping and layer, and measure bandwidth."""
@@ -211,12 +90,13 @@ def verify(
         modes = vr.parse_modes(mode)
         spec = vr.build_spec(spec_layout, kinds, sizes, iters, warmup, dtype, parse_fault(inject_fault),
                              modes=modes)
-        plan = None if saved else _plan_launch(spec_layout, nodes, node_rank, master_addr, master_port, local, loopback_nodes)
-        if master_port is not None and not 1 <= master_port <= 65535:
-            raise UsageError(f"--master-port {master_port} is invalid: expected 1..65535.")
+        if model is not None:
+            spec["checks"].append(model_check(spec_layout, model, mode=modes))
+        plan = None if saved else plan_launch(spec_layout, nodes, node_rank, master_addr, master_port, local,
+                                              loopback_nodes)
         run_dir = os.path.abspath(log_dir or os.path.join("msdist_logs", "verify"))
         if dry_run and not saved:
-            for line in _dry_run(spec_layout, nodes or loopback_nodes, master_addr, master_port, plan, run_dir):
+            for line in dry_run_lines(spec_layout, nodes or loopback_nodes, master_addr, master_port, plan, run_dir):
                 typer.echo(line)
             return
     report = saved or _run(spec, spec_layout, plan, fmt, timeout, local, nodes, node_rank, master_addr, master_port,
@@ -241,67 +121,34 @@ def verify(
 
 def _run(spec, layout, plan, fmt, timeout, local, nodes, node_rank, master_addr, master_port,
          loopback_nodes, log_dir, min_busbw):
-    from mindscience.distributed.harness import LaunchError, launch, launch_local_multinode
-    from mindscience.distributed.harness.worker import GATHERED_FILE
-
-    env = _env(local, layout)
+    result = launch_ranks(spec, layout, plan, progress=fmt == "rich", timeout=timeout, local=local, nodes=nodes,
+                          node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                          loopback_nodes=loopback_nodes, log_dir=log_dir)
+    if plan["mode"] == "cluster" and node_rank:
+        render.stderr_console().print(
+            f"node {node_rank}: {'ok' if result.ok else 'FAILED'}; node 0 prints the report."
+        )
+        if not result.ok:
+            raise typer.Exit(EXIT_FAILED)
+        return None
+    ranks = all_ranks(result, plan)
     world = layout.world_size
-    view = _ProgressView(plan["local"] if plan["mode"] == "cluster" else world, len(spec["checks"]),
-                         enabled=fmt == "rich")
-    spec = {**spec, "gather": plan["mode"] == "cluster" and nodes > 1}
-    if log_dir:  # a report from an earlier run in the same folder must not be read as this one's
-        stale = os.path.join(os.path.abspath(log_dir), "results", GATHERED_FILE)
-        if os.path.exists(stale):
-            os.remove(stale)
-    with user_errors():
-        try:
-            with view:
-                if plan["mode"] == "loopback":
-                    result = launch_local_multinode(spec, world, loopback_nodes, master_port=master_port,
-                                                    timeout=timeout, log_dir=log_dir, env=env,
-                                                    on_progress=view.update)
-                elif plan["mode"] == "cluster":
-                    result = launch(spec, world, local_worker_num=plan["local"], node_rank=node_rank,
-                                    master_addr=master_addr, master_port=master_port, timeout=timeout,
-                                    log_dir=log_dir, env=env, on_progress=view.update)
-                else:
-                    result = launch(spec, world, master_port=master_port, timeout=timeout, log_dir=log_dir,
-                                    env=env, on_progress=view.update)
-        except LaunchError as err:
-            raise UsageError(str(err)) from None
-    ranks = dict(result.ranks)
-    if plan["mode"] == "cluster":
-        if node_rank:
-            render.stderr_console().print(
-                f"node {node_rank}: {'ok' if result.ok else 'FAILED'}; node 0 prints the report."
-            )
-            if not result.ok:
-                raise typer.Exit(EXIT_FAILED)
-            return None
-        ranks.update(_gathered(result.log_dir))
-    failures = [
-        {"rank": f["rank"], "reason": f"{f.get('kind', 'error')}: {f['reason']}", "log_tail": f.get("log_tail", "")}
-        for f in result.failures
-    ]
     if plan["mode"] == "loopback":
         # The simulated nodes hold world / N ranks each: the report marks the groups that span them.
         from dataclasses import replace
 
         layout = replace(layout, devices_per_node=world // loopback_nodes)
-    report = vr.build_report(layout, ranks, failures, min_busbw, result.duration_s)
+    report = vr.build_report(layout, ranks, failure_rows(result), min_busbw, result.duration_s)
     report["log_dir"] = result.log_dir
     report["command"] = result.command
     return report
 
 
-def _gathered(run_dir: str) -> dict:
-    """Results of other nodes' ranks, gathered to rank 0 over the backend by the worker."""
-    import json
+def model_check(layout, model: str, mode=("jit",)) -> dict:
+    """``train.dense_compare``: two training steps of GPTModel at the layout against the dense
+    model on the same batches (family ``train`` of the summary), with the model file's
+    training section (one micro-batch per dp rank and pipeline stage at least)."""
+    from .train import model_and_options
 
-    from mindscience.distributed.harness.worker import GATHERED_FILE
-
-    path = os.path.join(run_dir, "results", GATHERED_FILE)
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as fh:
-        return {int(k): v for k, v in json.load(fh).items()}
+    spec, opts = model_and_options(layout, model, steps=2, mode="jit" if "jit" in mode else "pynative")
+    return {"name": "train.dense_compare", "params": {"model": spec, "options": opts.to_dict(), "steps": 2}}

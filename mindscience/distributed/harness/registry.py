@@ -34,6 +34,7 @@ CHECK_MODULES = (
     "mindscience.distributed.harness.checks.compute",
     "mindscience.distributed.harness.checks.p2p",
     "mindscience.distributed.harness.checks.pipeline",
+    "mindscience.distributed.harness.checks.train",
 )
 
 _CHECKS: dict[str, Callable] = {}

@@ -1,0 +1,181 @@
+"""The training loop: GPTModel with DistributedOptimizer (AdamW) at the layout in force.
+
+One :class:`Trainer` per rank, after ``manager.initialize_parallel``; ``msdist train``
+drives it through the harness checks of :mod:`mindscience.distributed.harness.checks.train`,
+the tests and ``msdist verify --model`` the same way::
+
+    trainer = Trainer(model_spec, TrainOptions(steps=4, micro_batch_size=2, global_batch_size=8))
+    trainer.resume("ckpt/step_2")            # optional: any layout's checkpoint
+    for step in trainer.remaining_steps():   # counts on from the resumed step
+        row = trainer.train_step(step)       # {"step", "loss", "time_s"}
+        trainer.maybe_save(step)
+    trainer.memory_bytes()                   # {"stage", "weights", "gradients", "optimizer"}
+
+Each step reads this data-parallel rank's share of the global batch of that step
+(:mod:`.data`: it depends only on the seed, or the file, and the step), runs
+``model.forward_backward`` over ``G / (b * dp)`` micro-batches (the pipeline schedule
+when pp > 1) and ``opt(grads)``; the loss it reports is the global batch's, the same
+number on every rank and at every layout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+
+import numpy as np
+
+from . import data as data_mod
+from .options import TrainOptions, checkpoint_steps, microbatches, step_dir
+
+
+def model_config(model_spec, training_spec):
+    """The models package's TransformerConfig of the cost model's model and training specs."""
+    from mindscience.distributed.costmodel.spec import Workload
+    from mindscience.distributed.models import TransformerConfig
+
+    return TransformerConfig.from_model_spec(Workload(model=model_spec, training=training_spec))
+
+
+def training_spec(base, opts: TrainOptions):
+    """The model file's TrainingSpec ``base`` with the run's options over it."""
+    return replace(base, micro_batch_size=opts.micro_batch_size, global_batch_size=opts.global_batch_size,
+                   precision=opts.precision, recompute=opts.recompute, zero_stage=opts.zero_stage,
+                   distributed_optimizer=opts.zero_stage >= 1)
+
+
+class Trainer:
+    """Train the reference transformer at the current layout.
+
+    Args:
+        model_spec: The cost model's ``ModelSpec`` (``model:`` section of a model file).
+        training: Its ``TrainingSpec`` (``training:`` section: cp method, stage cut...);
+            the options' batch, precision, recompute and zero stage replace its own.
+        opts: The run's :class:`~.options.TrainOptions`.
+        token_file: A checked :class:`~.data.TokenFile` for ``opts.data`` (None: synthetic,
+            or opened here when ``opts.data`` is set).
+        replicate_batch: Every rank trains the WHOLE global batch instead of its dp share:
+            with dp = world and no model parallelism this is the dense model (the mean of
+            identical gradients is the gradient), ``msdist verify --model``'s reference.
+    """
+
+    def __init__(self, model_spec, training, opts: TrainOptions, token_file=None, replicate_batch: bool = False):
+        import mindspore as ms
+
+        from mindscience.distributed import manager
+        from mindscience.distributed.models import GPTModel
+        from mindscience.distributed.optimizer import DistributedOptimizer
+
+        self.spec, self.opts = model_spec, opts
+        self.layout = manager.get_layout()
+        self.dp_group = manager.get_data_parallel_group()
+        self.pp_group = manager.get_pipeline_parallel_group()
+        self.replicate = replicate_batch
+        self.dp = 1 if replicate_batch else self.dp_group.size
+        self.dp_rank = 0 if replicate_batch else self.dp_group.rank
+        self.num_microbatches = microbatches(opts, self.dp)
+        if token_file is None and opts.data:
+            token_file = data_mod.open_token_file(opts.data, model_spec.vocab_size, model_spec.seq_length)
+        self.token_file = token_file
+        ms.set_seed(opts.seed)
+        np.random.seed(opts.seed)
+        self.training = training_spec(training, opts)
+        self.config = model_config(model_spec, self.training)
+        self.model = GPTModel(self.config, seed=opts.seed)
+        self.optimizer = DistributedOptimizer(self.model.trainable_params(), optimizer="adamw", lr=opts.lr,
+                                              zero_stage=opts.zero_stage)
+        self.first_step = 0  # steps already trained (the resumed step counter)
+        self.first_sequence = 0  # data position of step 0 in the token file
+        self.saved: list = []
+
+    # ----------------------------------------------------------------- data
+    def batch(self, step: int) -> tuple:
+        """``(input_ids, labels)`` of this rank for the 0-based ``step``: ``(G/dp, s)`` int32 each."""
+        rows = data_mod.batch_rows(step, self.opts.global_batch_size, self.dp_rank, self.dp,
+                                   self.spec.seq_length, self.spec.vocab_size, seed=self.opts.seed,
+                                   token_file=self.token_file, first_sequence=self.first_sequence)
+        return data_mod.inputs_and_labels(rows)
+
+    def data_position(self, steps_done: int) -> int:
+        """The first sequence not yet read after ``steps_done`` steps (kept in checkpoints)."""
+        return self.first_sequence + steps_done * self.opts.global_batch_size
+
+    # ----------------------------------------------------------------- steps
+    def remaining_steps(self) -> range:
+        """0-based steps this run trains: ``first_step .. first_step + steps - 1``."""
+        return range(self.first_step, self.first_step + self.opts.steps)
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step on the global batch of ``step`` (0-based); its row has the
+        1-based step counter, the global loss and the seconds."""
+        inputs, labels = self.batch(step)
+        started = time.perf_counter()
+        loss, grads = self.model.forward_backward(inputs, labels, num_microbatches=self.num_microbatches,
+                                                  mode=self.opts.mode)
+        self.optimizer(grads)
+        value = self.global_loss(loss)
+        seconds = time.perf_counter() - started
+        return {"step": step + 1, "loss": value, "time_s": seconds}
+
+    def global_loss(self, loss) -> float:
+        """The global batch's loss on every rank: the last pipeline stage's, averaged over dp.
+
+        ``forward_backward`` returns this dp rank's mean loss over its tokens (already
+        averaged over cp); the last stage's value, summed over the pp group (the others
+        add 0), reaches every stage, and the dp mean makes it the global batch's (equal
+        shares, so the mean of the means).
+        """
+        import mindspore as ms
+
+        from mindscience.distributed.collectives import all_reduce
+
+        last = self.pp_group.rank == self.pp_group.size - 1
+        value = np.array([float(loss.asnumpy()) if (last and loss is not None) else 0.0], np.float32)
+        tensor = ms.Tensor(value)
+        if self.pp_group.size > 1:
+            tensor = all_reduce(tensor, self.pp_group)
+        if not self.replicate and self.dp_group.size > 1:
+            tensor = all_reduce(tensor, self.dp_group) / self.dp_group.size
+        return float(tensor.asnumpy()[0])
+
+    # ----------------------------------------------------------------- state
+    def state_cell(self):
+        """What a checkpoint holds: the model and the optimizer (moments, step counter)."""
+        from mindspore import nn
+
+        return nn.CellList([self.model, self.optimizer])
+
+    def save(self, directory: str, steps_done: int) -> str:
+        """Checkpoint after ``steps_done`` steps: weights, optimizer state, step, data position."""
+        from mindscience.distributed import checkpoint
+
+        extra = {"data_position": self.data_position(steps_done), "seed": self.opts.seed,
+                 "data": self.opts.data, "global_batch_size": self.opts.global_batch_size,
+                 "model": self.spec.name, "model_spec": asdict(self.spec)}
+        checkpoint.save(self.state_cell(), directory, step=steps_done, extra=extra)
+        self.saved.append(directory)
+        return directory
+
+    def maybe_save(self, step: int) -> str | None:
+        """Save after 0-based ``step`` when ``--save-every`` or the end of the run says so."""
+        done = step + 1
+        if not self.opts.save or done not in checkpoint_steps(self.opts.steps, self.first_step,
+                                                               self.opts.save_every):
+            return None
+        return self.save(step_dir(self.opts.save, done), done)
+
+    def resume(self, directory: str) -> dict:
+        """Load a checkpoint (saved at any layout) and continue from its step and data position."""
+        from mindscience.distributed import checkpoint
+
+        info = checkpoint.load(self.state_cell(), directory)
+        self.first_step = int(info["step"] or 0)
+        position = (info.get("extra") or {}).get("data_position", self.first_step * self.opts.global_batch_size)
+        # Step k reads sequences first_sequence + k*G ..: the saved position is step first_step's.
+        self.first_sequence = int(position) - self.first_step * self.opts.global_batch_size
+        return info
+
+    def memory_bytes(self) -> dict:
+        """This rank's bytes of weights, gradients and optimizer state (contract C2) and its stage."""
+        mem = dict(self.optimizer.memory_bytes())
+        return {"stage": self.pp_group.rank, **{k: int(mem[k]) for k in ("weights", "gradients", "optimizer")}}

@@ -1,0 +1,93 @@
+"""Rendering of ``msdist train``: a line per step, then measured beside predicted.
+
+Like :mod:`mscli.render`, it only draws the plain data the command built
+(:mod:`mindscience.distributed.training.report`).
+"""
+
+from __future__ import annotations
+
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .render import print_json, stderr_console, stdout_console
+from .render_cost import human_bytes, human_rate, human_seconds
+
+
+def step_line(row: dict) -> str:
+    """``step   3  loss 5.5123  0.41 s  1.25 K tokens/s  MFU 0.8%``."""
+    return (f"step {row['step']:>4}  loss {row['loss']:.6f}  {human_seconds(row['time_s'])}  "
+            f"{human_rate(row['tokens_per_s'])} tokens/s  MFU {row['mfu']:.2%}")
+
+
+def _ratio(value) -> Text:
+    if value is None:
+        return Text("-", style="dim")
+    style = "green" if 0.5 <= value <= 2 else "yellow"
+    return Text(f"{value:.2f}x", style=style)
+
+
+def _value(row: dict, key: str) -> str:
+    value = row[key]
+    if value is None:
+        return "not measured"
+    if row["what"].endswith("(bytes)"):
+        return human_bytes(value)
+    if row["what"].startswith("step time"):
+        return human_seconds(value)
+    return human_rate(value)
+
+
+def comparison_table(report: dict) -> Table:
+    """Measured vs predicted: step time, tokens/s, and per stage the bytes of each kind."""
+    layout = report["layout"]
+    table = Table(title=f"measured vs predicted (cost model, device peak {report['cluster']['peak_tflops']:g} "
+                        f"TFLOP/s x {report['cluster']['compute_efficiency']:.3g})",
+                  title_justify="left", caption_justify="left", show_edge=False, pad_edge=False)
+    for column, justify in (("what", "left"), ("stage", "right"), ("measured", "right"), ("predicted", "right"),
+                            ("ratio", "right")):
+        table.add_column(column, justify=justify, no_wrap=True)
+    for row in report["comparison"]:
+        table.add_row(row["what"], "" if row["stage"] is None else str(row["stage"]), _value(row, "measured"),
+                      _value(row, "predicted"), _ratio(row["ratio"]))
+    measured = report["measured"]
+    table.caption = (f"step time: median of {measured['steps_timed']} step(s) after the first (which compiles); "
+                     "bytes: the largest rank of each stage, counted from its Parameters "
+                     f"(opt.memory_bytes()); activations are estimated only (CPU memory counters read 0). "
+                     f"Layout tp={layout['tp']} cp={layout['cp']} dp={layout['dp']} pp={layout['pp']}.")
+    return table
+
+
+def render_report(report: dict) -> None:
+    """The human view: title, a line per step, the comparison table, checkpoints written."""
+    console = stdout_console()
+    model, training, layout = report["model"], report["training"], report["layout"]
+    console.print(Text(
+        f"msdist train: {model.get('name') or 'model'} at tp={layout['tp']} cp={layout['cp']} dp={layout['dp']} "
+        f"pp={layout['pp']} ({layout['world_size']} ranks), {training['global_batch_size']} sequences x "
+        f"{model['seq_length']} tokens per step, micro-batch {training['micro_batch_size']}, zero stage "
+        f"{training['zero_stage']}, recompute {training['recompute']}, {training['mode']}", style="bold"))
+    resumed = report.get("resumed")
+    if resumed:
+        console.print(f"resumed from {resumed['directory']} (step {resumed['step']})")
+    for row in report["steps"]:
+        console.print(step_line(row))
+    console.print(comparison_table(report))
+    for path in report.get("checkpoints") or []:
+        console.print(f"saved {path}")
+
+
+def render_failures(failures: list, log_dir: str, fmt: str) -> None:
+    """Which rank failed and why (stderr; with --format json also the JSON on stdout)."""
+    if fmt == "json":
+        print_json({"ok": False, "failures": failures, "log_dir": log_dir})
+    err = stderr_console()
+    for failure in failures or [{"rank": -1, "reason": "the run did not finish", "log_tail": ""}]:
+        err.print(Text(f"rank {failure['rank']} failed: {failure['reason']}", style="bold red"))
+        if failure.get("log_tail"):
+            err.print(Panel(Text(failure["log_tail"]), title=f"rank {failure['rank']} log tail", border_style="red"))
+    err.print(f"logs: {log_dir}")
+
+
+def node_done(node_rank: int, ok: bool) -> None:
+    stderr_console().print(f"node {node_rank}: {'ok' if ok else 'FAILED'}; node 0 prints the report.")
