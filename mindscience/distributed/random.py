@@ -43,6 +43,16 @@ effect around the code that fixes the seeds: the construction of ``nn.Dropout`` 
 or the first call (the trace) of a compiled function that calls ``ops.dropout``. A
 ``with fork():`` statement inside compiled code is not supported, and ``set_states``
 cannot rewind the kernels of an already compiled graph (build or trace again to replay).
+
+Activation recompute (measured on CPU, MindSpore 2.10): ``Cell.recompute()`` in PyNative
+restores only the default ``Generator`` before it re-runs the block, so an
+``ops.dropout`` in the block (on the default stream or under ``fork()``) draws a NEW mask
+in the recomputed forward and the gradients are wrong; it also advances every stream
+twice per step. :func:`recompute` marks a cell so that its recomputed forward replays the
+states of every stream the forward started from, and leaves them where the forward left
+them afterwards: gradients and later masks equal those without recompute. Compiled code
+(``ms.jit``, GRAPH_MODE) needs nothing: its recompute pass re-runs the traced kernels with
+the same seeds (measured: identical gradients with ``ops.dropout`` in the block).
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ import numbers
 import mindspore as ms
 
 __all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "MODEL_PARALLEL_RNG",
-           "seeds_for"]
+           "seeds_for", "recompute", "recompute_rng_context"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_OFFSET = 2718
@@ -150,6 +160,57 @@ _TRACKER = RNGStatesTracker()
 def get_rng_tracker() -> RNGStatesTracker:
     """The process's tracker (one per process, as Megatron's)."""
     return _TRACKER
+
+
+def recompute_rng_context():
+    """``(forward, recompute)`` context managers for ``Cell.recompute(context_fn=...)``.
+
+    The forward one records the default stream and every tracker stream; the recompute
+    one installs them for the recomputed forward, then puts back what was in force (so
+    the streams advance once per step, as without recompute). MindSpore calls this once
+    per forward of the marked cell.
+    """
+    box = {}
+
+    @contextlib.contextmanager
+    def forward():
+        box["state"] = (_capture(), _TRACKER.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def replay():
+        now = (_capture(), _TRACKER.get_states())
+        _install(box["state"][0])
+        _TRACKER.set_states(box["state"][1])
+        try:
+            yield
+        finally:
+            _install(now[0])
+            _TRACKER.set_states(now[1])
+
+    return forward(), replay()
+
+
+def recompute(cell, **kwargs):
+    """Recompute ``cell``'s forward in the backward, with the same dropout masks.
+
+    ``cell.recompute(use_reentrant=False, context_fn=recompute_rng_context, **kwargs)``:
+    MindSpore's non-reentrant recompute with the streams of this module replayed (see the
+    module docstring for why ``cell.recompute()`` alone draws other masks in PyNative).
+    Returns ``cell``.
+
+    Example (any tp): ``random.recompute(mlp)``; ``mlp``'s forward may draw dropout on the
+    default stream and inside ``get_rng_tracker().fork()``, and the gradients equal those
+    of the same step without recompute.
+
+    Raises:
+        TypeError: ``cell`` is not an ``nn.Cell``.
+    """
+    if not isinstance(cell, ms.nn.Cell):
+        raise TypeError(f"random.recompute: cell must be an nn.Cell, got {type(cell).__name__}; "
+                        "wrap a function in a Cell whose construct calls it.")
+    cell.recompute(use_reentrant=False, context_fn=recompute_rng_context, **kwargs)
+    return cell
 
 
 def seeds_for(seed: int, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0,

@@ -12,9 +12,11 @@ import numbers
 from mindspore import Tensor, nn
 
 from ..p2p import _MAX_NDIM
+from .recompute import RECOMPUTE
 from .schedules import SCHEDULES
 
-__all__ = ["PipelineError", "MODES", "check_args", "check_activation_shape", "data_problem"]
+__all__ = ["PipelineError", "MODES", "check_args", "check_activation_shape", "data_problem",
+           "check_recompute"]
 
 MODES = ("pynative", "jit")
 
@@ -68,6 +70,17 @@ def check_args(stage, inputs, targets, loss_fn, schedule, mode) -> None:
     if not callable(loss_fn):
         raise PipelineError(
             f"loss_fn must be callable: loss_fn(output, target) -> scalar, got {_kind(loss_fn)}.")
+
+
+def check_recompute(recompute) -> str:
+    """``recompute`` itself, else a PipelineError naming the choices."""
+    if not isinstance(recompute, str) or recompute not in RECOMPUTE:
+        raise PipelineError(
+            f"recompute={recompute!r} is invalid: expected one of {', '.join(RECOMPUTE)} "
+            "('full': every stage but the last recomputes its forward in the backward; "
+            "'none'/'selective': keep the stage activations where the schedule allows it, "
+            "see pipeline.recompute.runtime_recompute).")
+    return recompute
 
 
 def check_activation_shape(activation_shape):

@@ -11,12 +11,21 @@ step            what this rank does
                 its gradients at once (``value_and_grad``), keeps the input gradient for
                 ``B{j}``. Only the stage INPUT of micro-batch j is kept until ``B{j}``.
 ``B{j}``        ``grad of sum(stage(x) * dy)`` for the input and the parameters, with ``dy`` the
-                received gradient of the output (the forward is recomputed from the kept
-                input: full activation recomputation, so an in-flight micro-batch costs one
-                stage input); the parameter gradients are summed over micro-batches.
+                received gradient of the output; the parameter gradients are summed over
+                micro-batches. ``recompute="full"`` (default): the forward is recomputed from
+                the kept input (an in-flight micro-batch costs one stage input). Kept
+                activations (``"none"``/``"selective"``, GPipe only): ``F{j}`` ran under
+                ``mindspore.vjp`` and ``B{j}`` runs its pending backward, no second forward.
 ``SEND_*``,     :func:`mindscience.distributed.p2p.transfer` with the neighbour; two joined by
 ``RECV_*``      ``+`` are one exchange.
 ==============  ===============================================================================
+
+Recompute: :func:`~.recompute.runtime_recompute` says what runs for a configuration
+(``last_recompute()`` returns it for the last call). GPipe keeps its forwards and runs its
+backwards newest-first (:func:`~.recompute.kept_schedule`, the order MindSpore's pending
+backwards need); 1F1B and interleaved run ``"full"`` whatever is asked (with a
+``UserWarning`` once per configuration), as do the loss and gradients of the last stage
+(one pass, nothing to recompute).
 
 Execution: ``mode="pynative"`` runs the stage eagerly; ``mode="jit"`` compiles the stage's
 forward and its backward (``ms.jit``), the parameter gradients summed over micro-batches
@@ -50,6 +59,7 @@ Example, pp = 2, 4 micro-batches (every rank runs the same call)::
 from __future__ import annotations
 
 import functools
+import warnings
 
 import mindspore as ms
 import numpy as np
@@ -57,15 +67,20 @@ from mindspore import ops
 
 from .. import collectives as C
 from .. import p2p
-from .arguments import MODES, PipelineError, check_activation_shape, check_args, data_problem
+from .arguments import (MODES, PipelineError, check_activation_shape, check_args,
+                        check_recompute, data_problem)
+from .recompute import kept_schedule, runtime_recompute
 from .schedules import SCHEDULES, build
 from .stage_fns import cache_of, stage_fns
 
 # The action lists of one configuration never change, and building them (two placements,
 # a simulation, a validation) costs 1-500 ms: once per (schedule, p, m, v), not per step.
 _schedule = functools.lru_cache(maxsize=64)(build)
+_kept_schedule = functools.lru_cache(maxsize=64)(kept_schedule)
+_WARNED: set = set()
 
-__all__ = ["forward_backward", "PipelineError", "stage_parameters", "last_peak", "MODES"]
+__all__ = ["forward_backward", "PipelineError", "stage_parameters", "last_peak",
+           "last_recompute", "MODES"]
 
 _LAST: dict = {}
 # Benchmarks set TIMING["intervals"] = [] to get (kind, start, end) of every step, each
@@ -85,6 +100,11 @@ def last_peak() -> int:
     return _LAST.get("peak", 0)
 
 
+def last_recompute() -> tuple:
+    """``(what_runs, reason)`` of the last call (see :func:`.recompute.runtime_recompute`)."""
+    return _LAST.get("recompute", ("full", "no call yet"))
+
+
 def stage_parameters(stage) -> list:
     """The trainable parameters of a stage (a Cell) or of its chunks (a list), in order."""
     cells = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -102,15 +122,18 @@ def _pp_group(group):
     return manager.get_pipeline_parallel_group()
 
 
-def _agree(g, m, v, schedule, problem) -> None:
-    """Every pp rank runs the same schedule, micro-batches and chunks, and has good data.
+def _agree(g, m, v, schedule, problem, keep=False) -> None:
+    """Every pp rank runs the same schedule (with kept activations or not), micro-batches
+    and chunks, and has good data.
 
     One small sum over the group at the first call of a configuration. A rank whose own
     micro-batches are bad (``problem``) takes part all the same, so that every rank raises
     here instead of waiting for it in a transfer.
     """
     mine = np.zeros((g.size, 4), np.float32)
-    mine[g.rank] = (m, v, SCHEDULES.index(schedule), problem is not None)
+    # A kept schedule runs other action lists than its recomputing one: a schedule of its own.
+    mine[g.rank] = (m, v, SCHEDULES.index(schedule) + len(SCHEDULES) * bool(keep),
+                    problem is not None)
     got = C.all_reduce(ms.Tensor(mine), g).asnumpy()
     if problem is not None:
         raise PipelineError(problem)
@@ -121,11 +144,16 @@ def _agree(g, m, v, schedule, problem) -> None:
             "(inputs on the first stage, targets on the last; their own error says which), "
             "so no rank starts the step.")
     if not (got[:, :3] == got[0, :3]).all():
-        table = "; ".join(f"pipeline rank {r}: m={int(a)} v={int(b)} {SCHEDULES[int(c)]}"
+        def name(c):
+            kept = int(c) >= len(SCHEDULES)
+            return SCHEDULES[int(c) % len(SCHEDULES)] + (" (activations kept)" if kept else "")
+
+        table = "; ".join(f"pipeline rank {r}: m={int(a)} v={int(b)} {name(c)}"
                           for r, (a, b, c, _) in enumerate(got))
         raise PipelineError(
             "forward_backward: the pipeline ranks disagree on the schedule, the number of "
-            f"micro-batches or of model chunks ({table}); every rank must pass the same.")
+            f"micro-batches or of model chunks, or on recompute ({table}); every rank must "
+            "pass the same.")
 
 
 def _links(g, p, i, ring):
@@ -148,7 +176,8 @@ def _links(g, p, i, ring):
 
 
 def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
-                     activation_shape=None, mode: str = "pynative", group=None):
+                     activation_shape=None, mode: str = "pynative", group=None,
+                     recompute: str = "full"):
     """One training step's forward and backward over ``len(inputs)`` micro-batches.
 
     Args:
@@ -168,6 +197,13 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
             what it sends still has the shape and dtype of the first call.
         mode: ``"pynative"`` or ``"jit"`` (the stage's forward and backward compiled).
         group: The pipeline group; default the manager's ``pp`` group.
+        recompute: ``"full"`` (default): every stage but the last keeps only its input per
+            micro-batch in flight and recomputes its forward in the backward. ``"none"`` /
+            ``"selective"``: keep the stage activations (no second forward; the cells the
+            model marks with ``recompute`` still recompute inside) where the schedule
+            allows: GPipe, whose backwards then run newest-first. 1F1B and interleaved
+            run ``"full"`` (a ``UserWarning`` once per configuration says so); see
+            :func:`~.recompute.runtime_recompute` and :func:`last_recompute`.
 
     Returns:
         ``(loss, grads)``: ``loss`` the mean over micro-batches (a float32 scalar tensor,
@@ -185,21 +221,31 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
         P2PMismatchError: the stages' tensors disagree in shape or dtype (first call).
     """
     check_args(stage, inputs, targets, loss_fn, schedule, mode)
+    check_recompute(recompute)
     shape = check_activation_shape(activation_shape)
     g = _pp_group(group)
     p, i = g.size, g.rank
     cells = list(stage) if schedule == "interleaved" else [stage]
     m, v = len(inputs), len(cells)
-    sched = _schedule(schedule, p, m, v)
+    what_runs, reason = runtime_recompute(schedule, mode, recompute, p, v)
+    keep = what_runs != "full" and p * v > 1
+    if recompute != "full" and what_runs == "full" and (schedule, mode, recompute) not in _WARNED:
+        _WARNED.add((schedule, mode, recompute))
+        warnings.warn(f"forward_backward: {reason}", UserWarning, stacklevel=2)
+    _LAST["recompute"] = (what_runs, reason)
+    sched = _kept_schedule(p, m) if keep else _schedule(schedule, p, m, v)
     problem = data_problem(inputs, targets, i == 0, i == p - 1, p, i)
     # The shapes learned at the first call live on the (first) chunk: they die with it.
     # The other chunks are in the key itself (Cells hash by identity), which keeps them alive.
     learned_all = cache_of(cells[0]).learned
-    key = (g.ranks, schedule, m, v, mode, tuple(cells[1:]), shape)
+    key = (g.ranks, schedule, m, v, mode, tuple(cells[1:]), shape, keep)
     entry = learned_all.get(key)
     first_call = entry is None
     if first_call and p > 1:
-        _agree(g, m, v, schedule, problem)
+        if keep:
+            _agree(g, m, v, schedule, problem, keep=True)
+        else:
+            _agree(g, m, v, schedule, problem)
     if problem is not None:
         raise PipelineError(problem)
     learned = {} if first_call else entry
@@ -207,7 +253,7 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     fns = [stage_fns(cell, loss_fn, mode, c * p + i == 0, c * p + i == stages - 1)
            for c, cell in enumerate(cells)]
     links = _links(g, p, i, ring=v > 1) if p > 1 else {}
-    run = _Run(sched, g, p, i, v, fns, inputs, targets, links, learned, first_call, shape)
+    run = _Run(sched, g, p, i, v, fns, inputs, targets, links, learned, first_call, shape, keep)
     run.execute()
     _LAST["peak"] = run.peak
     if first_call:
@@ -224,13 +270,15 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
 class _Run:
     """One execution of this rank's action list."""
 
-    def __init__(self, sched, g, p, i, v, fns, inputs, targets, links, learned, check, shape):
+    def __init__(self, sched, g, p, i, v, fns, inputs, targets, links, learned, check, shape,
+                 keep=False):
         self.sched, self.g, self.p, self.i, self.v = sched, g, p, i, v
+        self.keep_forward = keep
         self.fns, self.inputs, self.targets = fns, inputs, targets
         self.links, self.learned, self.check = links, learned, check
         self.shape = shape
         self.stages = p * v
-        self.kept = {}      # (j, c) -> stage input (until B)
+        self.kept = {}      # (j, c) -> stage input, or its pending vjp when kept (until B)
         self.out = {}       # ("F"|"B", j, c) -> tensor to send
         self.got = {}       # ("F"|"B", j, c) -> received (or local) tensor
         self.dx = {}        # (j, c) -> last stage's input gradient, from F
@@ -270,6 +318,9 @@ class _Run:
             dx, self.grads[c], self.loss = f.loss(x, self.targets[j], self.scale, self.grads[c],
                                                   self.loss)
             self.dx[(j, c)] = dx
+        elif self.keep_forward:
+            y, self.kept[(j, c)] = f.keep(x)
+            self._deliver("F", j, gidx, y)
         else:
             self.kept[(j, c)] = x
             self._deliver("F", j, gidx, f.forward(x))
@@ -281,6 +332,9 @@ class _Run:
         f = self.fns[c]
         if gidx == self.stages - 1:
             dx = self.dx.pop((j, c))
+        elif self.keep_forward:
+            dy = self.got.pop(("B", j, c))
+            dx, self.grads[c] = f.backward_kept(self.kept.pop((j, c)), dy, self.grads[c])
         else:
             x = self.kept.pop((j, c))
             dy = self.got.pop(("B", j, c))

@@ -7,7 +7,12 @@
   input (None on the first model stage) and the trainable parameters, the latter added to
   the accumulators ``acc``;
 * ``loss(x, t, scale, acc, loss_acc) -> (dx, acc, loss_acc)`` on the last model stage:
-  ``loss_fn(cell(x), t) * scale`` and its gradients, both added to accumulators.
+  ``loss_fn(cell(x), t) * scale`` and its gradients, both added to accumulators;
+* kept activations (the runtime's ``recompute="none"|"selective"``): ``keep(x) -> (y,
+  pending)`` runs the forward under ``mindspore.vjp`` (compiled under jit: the vjp of the
+  ``ms.jit`` forward works the same, measured), and ``backward_kept(pending, dy, acc) ->
+  (dx, acc)`` runs its backward without a second forward. Pending backwards must run
+  newest-first (see :mod:`.recompute`).
 
 Accumulation (``python bench/bench_pipeline_accumulate.py --mode jit|pynative``, one
 process on this shared 2-core CPU, 4 layers of 64x64 + bias = 8 parameters, 8 micro-batches,
@@ -117,6 +122,31 @@ class _Chunk:
                 dx, g = split(grad(x, dy))
                 return (dx,) + tuple(a + b for a, b in zip(acc, g))
             self._grad = ms.jit(fused)
+
+    def keep(self, x):
+        """``(y, pending)``: the forward, its activations kept for :meth:`backward_kept`."""
+        if self._grad is None:
+            return self.forward(x), None
+        if self.params:
+            y, fn = ms.vjp(self.forward, x, weights=list(self.params))
+        else:
+            y, fn = ms.vjp(self.forward, x)
+        return y, (fn, y.dtype)
+
+    def backward_kept(self, pending, dy, acc):
+        """``(dx, acc)`` from a kept forward: as :meth:`backward`, without recomputing."""
+        if pending is None:
+            return None, acc
+        fn, dtype = pending
+        # dy arrives in the activation's dtype (the next stage's input gradient); the vjp
+        # takes exactly the output's.
+        out = fn(dy if dy.dtype == dtype else dy.astype(dtype))
+        if self.params:
+            inputs, grads = out
+        else:
+            inputs, grads = out, ()
+        dx = None if self.first else (inputs[0] if isinstance(inputs, tuple) else inputs)
+        return dx, _add_into(acc, grads)
 
     def backward(self, x, dy, acc):
         """``(dx, acc)``: the input gradient (None on the first stage) and ``acc`` + this one's."""
@@ -231,6 +261,8 @@ class StageFns:
         self.params = chunk.params
         self.forward = chunk.forward
         self.backward = chunk.backward
+        self.keep = chunk.keep
+        self.backward_kept = chunk.backward_kept
         self.loss = loss
 
     def zeros(self) -> tuple:

@@ -49,6 +49,11 @@ class ContextParallelAttention(nn.Cell):
         causal: Causal self-attention.
         load_balance: Zigzag layout of the causal ring (x then holds this rank's zigzag rows).
         compute_dtype: Dtype of the projections' matmuls (None: the input's).
+        recompute: Selective activation recompute (Korthikanti et al. 2022): the
+            attention core's scores and probabilities are computed again in the backward
+            instead of being kept (see :func:`context_parallel_attention`). Default
+            False. The gradients are identical either way (in PyNative, ``ms.jit`` and
+            GRAPH_MODE, every method).
         tp_group, cp_group: Override the groups (default: the manager's, or size 1).
 
     Inputs:
@@ -60,7 +65,7 @@ class ContextParallelAttention(nn.Cell):
 
     def __init__(self, hidden_size: int, num_heads: int, *, num_query_groups: Optional[int] = None,
                  method: str = "ring", causal: bool = False, load_balance: bool = False,
-                 compute_dtype=None, tp_group=None, cp_group=None):
+                 compute_dtype=None, recompute: bool = False, tp_group=None, cp_group=None):
         super().__init__()
         cls = type(self).__name__
         n_kv = num_heads if num_query_groups is None else num_query_groups
@@ -70,6 +75,9 @@ class ContextParallelAttention(nn.Cell):
                 raise ValueError(f"{cls}: {key}={value!r} must be a positive integer.")
         if method not in METHODS:
             raise ValueError(f"{cls}: method={method!r} is invalid: expected one of {METHODS}.")
+        if not isinstance(recompute, bool):
+            raise ValueError(f"{cls}: recompute={recompute!r} must be True or False (True: "
+                             "the attention core is recomputed in the backward).")
         if load_balance and not (causal and method == "ring"):
             # The zigzag layout only evens out the causal ring's triangle; say so when the
             # layer is built, not at its first call.
@@ -97,6 +105,7 @@ class ContextParallelAttention(nn.Cell):
                 f"({n_kv}/{self.tp.size} = {self.local_groups}) divisible by cp={self.cp.size}; "
                 "use method='ring' or 'allgather_kv'.")
         self.method, self.causal, self.load_balance = method, bool(causal), bool(load_balance)
+        self.recompute_core = recompute
         self.num_heads, self.num_query_groups = num_heads, n_kv
         f = dict(compute_dtype=compute_dtype, group=self.tp)
         self.qkv = ColumnParallelLinear(hidden_size, (num_heads + 2 * n_kv) * self.head_dim,
@@ -112,5 +121,6 @@ class ContextParallelAttention(nn.Cell):
         k = t[:, :, :, g]
         v = t[:, :, :, g + 1]
         o = context_parallel_attention(q, k, v, self.cp, method=self.method, causal=self.causal,
-                                       split_sizes=split_sizes, load_balance=self.load_balance)
+                                       split_sizes=split_sizes, load_balance=self.load_balance,
+                                       recompute=self.recompute_core)
         return self.out(o.reshape(s, b, groups * g * hd))

@@ -12,6 +12,15 @@ method          what moves                                             memory pe
 
 Ulysses and all-gather KV are compositions of the mappings (autodiff through their
 cells); ring is one Cell with its own backward.
+
+Selective recompute (``recompute=True``, Korthikanti et al. 2022): what the backward of
+the attention core needs, the scores and probabilities (``N x S x S`` per rank for
+ulysses, ``N x S/cp x S`` for all-gather KV), is not kept; the core (``softmax(q k^T) v``
+on the rows and heads this rank holds after its collectives) runs again in the backward,
+from the q, k, v it started from. The collectives are not re-run. The ring keeps only
+q, k, v, its output and the log-sum-exp whatever ``recompute`` says: its backward
+already recomputes every block's probabilities (as flash attention), so there is nothing
+more to drop.
 """
 
 from __future__ import annotations
@@ -30,8 +39,25 @@ from .ring import RingAttention
 __all__ = ["context_parallel_attention", "zigzag_shard", "zigzag_unshard"]
 
 
+class _Core(nn.Cell):
+    """``softmax(q k^T * scale) v`` in the internal layout; marked for recompute or not.
+
+    The causal positions are attributes (constants of a compiled graph), so the cell's
+    inputs are only the tensors its backward would otherwise keep intermediates of.
+    """
+
+    def __init__(self, math, qpos, kpos, recompute):
+        super().__init__()
+        self.math, self.qpos, self.kpos = math, qpos, kpos
+        if recompute:
+            self.recompute()
+
+    def construct(self, q, k, v):
+        return self.math.dense(q, k, v, self.qpos, self.kpos)
+
+
 class _Ulysses(nn.Cell):
-    def __init__(self, group, sizes, causal, n, n_kv, d, scale):
+    def __init__(self, group, sizes, causal, n, n_kv, d, scale, recompute=False):
         super().__init__()
         self.group, self.causal, self.d = group, causal, d
         self.sizes = None if len(set(sizes)) == 1 else list(sizes)
@@ -41,6 +67,7 @@ class _Ulysses(nn.Cell):
         seg = ((0, total, 0),)
         self.qpos = positions(seg, tile=n // n_kv) if causal else None
         self.kpos = positions(seg) if causal else None
+        self.core = _Core(self.math, self.qpos, self.kpos, recompute)
 
     def heads(self, x):
         s, b, h, d = x.shape
@@ -52,7 +79,7 @@ class _Ulysses(nn.Cell):
         dtype = q.dtype
         q, k, v = self.heads(to_f32(q)), self.heads(to_f32(k)), self.heads(to_f32(v))
         m = self.math
-        out = m.from_q(m.dense(m.to_q(q), m.to_kv(k), m.to_kv(v), self.qpos, self.kpos))
+        out = m.from_q(self.core(m.to_q(q), m.to_kv(k), m.to_kv(v)))
         S, B, n, D = out.shape
         out = mappings.all_to_all_from_hidden_to_sequence(out.reshape(S, B, n * D), self.group,
                                                           split_sizes=self.sizes)
@@ -60,7 +87,7 @@ class _Ulysses(nn.Cell):
 
 
 class _AllGatherKV(nn.Cell):
-    def __init__(self, group, sizes, causal, n, n_kv, d, scale):
+    def __init__(self, group, sizes, causal, n, n_kv, d, scale, recompute=False):
         super().__init__()
         self.group, self.causal = group, causal
         self.sizes = None if len(set(sizes)) == 1 else list(sizes)
@@ -70,6 +97,8 @@ class _AllGatherKV(nn.Cell):
         mine = ((0, sizes[r], sum(sizes[:r])),)
         self.qpos = positions(mine, tile=n // n_kv) if causal and sizes[r] else None
         self.kpos = positions(((0, sum(sizes), 0),)) if causal else None
+        self.core = _Core(self.math, self.qpos if causal else None,
+                          self.kpos if causal else None, recompute)
 
     def construct(self, q, k, v):
         dtype = q.dtype
@@ -81,9 +110,7 @@ class _AllGatherKV(nn.Cell):
             zero = (k.sum() + v.sum()) * 0.0
             return ops.cast(ops.zeros(q.shape, ms.float32) + zero, dtype)
         m = self.math
-        qpos = self.qpos if self.causal else None
-        kpos = self.kpos if self.causal else None
-        out = m.from_q(m.dense(m.to_q(to_f32(q)), m.to_kv(k), m.to_kv(v), qpos, kpos))
+        out = m.from_q(self.core(m.to_q(to_f32(q)), m.to_kv(k), m.to_kv(v)))
         return ops.cast(out, dtype)
 
 
@@ -101,23 +128,25 @@ class _RingOutput(nn.Cell):
 _CELLS: dict = {}
 
 
-def _cell(method, g, sizes, causal, load_balance, n, n_kv, d, scale):
+def _cell(method, g, sizes, causal, load_balance, n, n_kv, d, scale, recompute=False):
     compiled = compiling()
-    key = (method, g, sizes, causal, load_balance, n, n_kv, d, scale, compiled)
+    # The ring's backward recomputes its blocks already: one cell serves both settings.
+    recompute = bool(recompute) and method != "ring"
+    key = (method, g, sizes, causal, load_balance, n, n_kv, d, scale, compiled, recompute)
     cell = _CELLS.get(key)
     if cell is None:
         if method == "ring":
             cell = _RingOutput(g, sizes, causal, load_balance, n, n_kv, d, scale, compiled)
         elif method == "ulysses":
-            cell = _Ulysses(g, sizes, causal, n, n_kv, d, scale)
+            cell = _Ulysses(g, sizes, causal, n, n_kv, d, scale, recompute)
         else:
-            cell = _AllGatherKV(g, sizes, causal, n, n_kv, d, scale)
+            cell = _AllGatherKV(g, sizes, causal, n, n_kv, d, scale, recompute)
         _CELLS[key] = cell
     return cell
 
 
 def context_parallel_attention(q, k, v, group, *, method="ring", causal=False, softmax_scale=None,
-                               split_sizes=None, load_balance=False):
+                               split_sizes=None, load_balance=False, recompute=False):
     """Softmax attention over a sequence split across the ranks of ``group`` (cp).
 
     Args:
@@ -133,6 +162,10 @@ def context_parallel_attention(q, k, v, group, *, method="ring", causal=False, s
         load_balance: Causal ring with the zigzag layout: the sequence cut in
             ``2*cp`` chunks, group rank r holding chunks ``r`` and ``2*cp-1-r`` (see
             :func:`zigzag_shard`); the output rows are in the same layout.
+        recompute: Selective recompute: the attention core's scores and probabilities
+            are not kept for the backward but computed again there (ulysses,
+            all-gather KV; the ring's backward always recomputes them). The gradients
+            are the same; the collectives run once.
 
     Returns:
         ``(S_local, B, N, D)`` in q's dtype: this rank's rows of the full attention.
@@ -149,10 +182,14 @@ def context_parallel_attention(q, k, v, group, *, method="ring", causal=False, s
     g = C.resolve_group(group)
     sizes, scale = check_inputs(q, k, v, g, method, causal, softmax_scale, split_sizes,
                                 load_balance)
+    if not isinstance(recompute, bool):
+        raise ValueError(f"context_parallel_attention: recompute={recompute!r} must be True or "
+                         "False (True: the attention core is recomputed in the backward).")
     n, n_kv, d = int(q.shape[2]), int(k.shape[2]), int(q.shape[3])
     if g.size == 1:
         method, load_balance = "allgather_kv", False  # one rank: plain attention
-    return _cell(method, g, sizes, bool(causal), bool(load_balance), n, n_kv, d, scale)(q, k, v)
+    return _cell(method, g, sizes, bool(causal), bool(load_balance), n, n_kv, d, scale,
+                 recompute)(q, k, v)
 
 
 # ----------------------------------------------------------------- zigzag layout

@@ -1,0 +1,156 @@
+"""What the pipeline runtime does with stage activations: keep them or recompute them.
+
+Pure Python (no MindSpore): the cost model calls :func:`runtime_recompute` to price what
+:func:`~mindscience.distributed.pipeline.forward_backward` will really run, and
+:func:`kept_schedule` is the action list the runtime runs when it keeps activations.
+
+Between a micro-batch's forward ``F{j}`` and its backward ``B{j}`` a stage other than the
+last either
+
+* recomputes (``"full"``): it keeps only the stage input and runs the forward again inside
+  ``B{j}`` (an in-flight micro-batch costs one stage input, plus one extra forward); or
+* keeps the forward (``"none"`` / ``"selective"``): ``F{j}`` runs under
+  ``mindspore.vjp``, whose pending backward holds the stage's activations until ``B{j}``
+  (no extra forward). ``"selective"`` is ``"none"`` at the runtime level: the cells the
+  model marks (e.g. ``ContextParallelAttention(recompute=True)``) recompute inside the
+  kept forward.
+
+The last model stage computes its loss and gradients in one pass at ``F{j}`` and never
+recomputes. What MindSpore 2.10 allows (measured on CPU, PyNative and ``ms.jit``): several
+pending ``mindspore.vjp`` backwards run newest-first; the oldest first fails ("Can not
+find top cell for backward") and breaks the other pending ones. So 1F1B and the
+interleaved schedule (oldest first by design) recompute, and GPipe keeps its forwards by
+running its backwards newest-first (:func:`kept_schedule`: the same bubble and the same
+peak of micro-batches in flight as GPipe's oldest-first order).
+
+Example::
+
+    runtime_recompute("1f1b", "pynative", "none", 4)
+    # ("full", "1f1b runs the backward of its oldest kept forward first, ...")
+    runtime_recompute("gpipe", "jit", "selective", 2)
+    # ("selective", "gpipe keeps every stage's forward (mindspore.vjp) ...")
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from . import schedules as S
+
+__all__ = ["RECOMPUTE", "RUNTIME_MODES", "RecomputeError", "runtime_recompute", "kept_order",
+           "kept_schedule"]
+
+RECOMPUTE = ("full", "selective", "none")
+RUNTIME_MODES = ("pynative", "jit")
+
+
+class RecomputeError(ValueError):
+    """A bad ``recompute`` / ``schedule`` / ``mode`` / size passed to :func:`runtime_recompute`."""
+
+
+def _check(schedule, mode, recompute, pp, virtual_stages) -> None:
+    if recompute not in RECOMPUTE:
+        raise RecomputeError(f"recompute={recompute!r} is invalid: expected one of "
+                             f"{', '.join(RECOMPUTE)} (full: stages recompute their forward in "
+                             "the backward; none/selective: keep it where the schedule allows).")
+    if schedule not in S.SCHEDULES:
+        raise RecomputeError(f"schedule={schedule!r} is unknown: expected one of "
+                             f"{', '.join(S.SCHEDULES)}.")
+    if mode not in RUNTIME_MODES:
+        raise RecomputeError(f"mode={mode!r} is invalid: expected one of {', '.join(RUNTIME_MODES)}.")
+    for name, value in (("pp", pp), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise RecomputeError(f"{name}={value!r} is invalid: expected an integer >= 1 "
+                                 "(the pipeline ranks / the model chunks per rank).")
+
+
+def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
+                      virtual_stages: int = 1) -> tuple:
+    """``(what_runs, reason)``: what the pipeline runtime does for this configuration.
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        mode: ``"pynative"`` or ``"jit"`` (the runtime's ``mode``).
+        recompute: What is asked: ``"full"``, ``"selective"`` or ``"none"``.
+        pp: Pipeline ranks.
+        virtual_stages: Model chunks per rank (interleaved); ``pp * virtual_stages``
+            model stages in all.
+
+    Returns:
+        ``what_runs``: ``"full"`` (every model stage but the last keeps only its input
+        and recomputes its forward in the backward), ``"none"`` (stage activations kept
+        from ``F`` to ``B``, nothing recomputed by the runtime) or ``"selective"``
+        (kept as ``"none"``; the model's marked cells recompute inside). ``reason``: one
+        sentence saying why, for notes; it names the forced case.
+
+        ========================  ==========================================  ==================
+        configuration             what_runs                                   why
+        ========================  ==========================================  ==================
+        recompute="full"          "full" (one model stage: "none")            asked
+        one model stage           the request ("full" -> "none")              loss + grads in
+                                                                              one pass
+        gpipe, > 1 stage          the request                                 newest-first
+                                                                              backwards keep
+        1f1b / interleaved        "full"                                      oldest-first
+        > 1 stage, not "full"                                                 (forced)
+        ========================  ==========================================  ==================
+
+    Raises:
+        RecomputeError: an unknown value, or a size < 1.
+
+    Example: ``runtime_recompute("1f1b", "pynative", "none", 2)[0] == "full"``;
+    ``runtime_recompute("gpipe", "pynative", "none", 2)[0] == "none"``.
+    """
+    _check(schedule, mode, recompute, pp, virtual_stages)
+    stages = pp * virtual_stages
+    if stages == 1:
+        what = "none" if recompute == "full" else recompute
+        return what, ("one model stage: the runtime computes the loss and the gradients in one "
+                      "pass, keeping the activations and recomputing nothing (mark the model's "
+                      "cells with Cell.recompute() to recompute inside it).")
+    if recompute == "full":
+        return "full", ("recompute='full': every model stage but the last keeps its input only "
+                        "and recomputes its forward in the backward.")
+    if schedule == "gpipe":
+        return recompute, (f"gpipe keeps every stage's forward (mindspore.vjp) from F to B and "
+                           f"runs the backwards newest-first ({mode}); recompute={recompute!r} "
+                           "runs as asked.")
+    return "full", (f"{schedule} runs the backward of its oldest kept forward first, which "
+                    "MindSpore 2.10 cannot do with kept forwards (mindspore.vjp backwards run "
+                    "newest-first only, measured), so every model stage but the last "
+                    f"recomputes its forward: recompute={recompute!r} is priced and run as "
+                    "'full'; use schedule='gpipe' to keep activations.")
+
+
+def kept_order(p: int, m: int, rank: int) -> list:
+    """GPipe with its backwards newest-first: ``[("F", 0, 0), ..., ("B", m-1, 0), ...]``.
+
+    Every forward, then the backwards from micro-batch m-1 down to 0 (the order in which
+    pending ``mindspore.vjp`` backwards can run). Every rank uses the same order, so the
+    last stage starts with the micro-batch it has just finished.
+    """
+    S.compute_order("gpipe", p, m, 1, rank)  # validates p, m, rank's range of use
+    return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in reversed(range(m))]
+
+
+def kept_schedule(p: int, m: int) -> S.Schedule:
+    """The GPipe schedule (name ``"gpipe"``) whose backwards run newest-first, validated.
+
+    Built like :func:`~.schedules.build` (the transfers placed in one global order,
+    exchanges merged, simulated as blocking rendezvous; the better placement kept), from
+    :func:`kept_order`. Same makespan and peak in flight as ``build("gpipe", p, m)``.
+
+    Raises:
+        ScheduleError: ``p`` or ``m`` below 1.
+    """
+    orders = [kept_order(p, m, r) for r in range(p)]
+    times = S._ideal_times(p, m, 1, orders)
+    best = None
+    for placement in ("consumer", "producer"):
+        steps = S._merge_exchanges(S._rank_steps(p, S._events(p, m, 1, orders, times, placement)))
+        sched = S.Schedule("gpipe", p, m, 1, [[S._as_actions(r, s) for s in rank]
+                                              for r, rank in enumerate(steps)])
+        S.validate(sched)
+        if best is None or sched.makespan < best.makespan:
+            best = sched
+    return best
