@@ -164,7 +164,19 @@ class GradientFinalizer(nn.Cell):
         self.dp_cp_size = dpcp.size
         sp = [i for i, p in enumerate(params) if getattr(p, "sequence_parallel", False)]
         self.tp_buckets = plan_buckets(sp, numels, dtypes, bucket_bytes) if tp.size > 1 else ()
-        self.dp_buckets = (plan_buckets(range(len(params)), numels, dtypes, bucket_bytes)
+        # A fully sharded parameter's gradient already is the dp-cp mean of its rows
+        # (fsdp.py, contract C3): only the tp and embedding sums apply to it.
+        replicated = [i for i, p in enumerate(params) if getattr(p, "fsdp", None) is None]
+        for p in params:
+            info = getattr(p, "fsdp", None)
+            if info is not None and info.group.size > 1 and info.group.ranks != dpcp.ranks:
+                raise ValueError(
+                    f"GradientFinalizer: parameter {p.name!r} is fully sharded over the group "
+                    f"{list(info.group.ranks)}, but the dp-cp group here is {list(dpcp.ranks)}; "
+                    "its gradient is the mean over its own group only. Shard it over the dp-cp "
+                    "group (fully_shard's default), or pass dp_cp_group=<that group>"
+                )
+        self.dp_buckets = (plan_buckets(replicated, numels, dtypes, bucket_bytes)
                            if dpcp.size > 1 else ())
         self.scale = 1.0 / dpcp.size
         emb = _group(embedding_group, "get_embedding_group", "embedding")

@@ -1,0 +1,217 @@
+"""Worker-side checks of ``fully_shard`` (imported by the worker through spec["modules"]).
+
+Each check builds the same small model twice from one seed: a reference kept whole
+(its gradients finalized by GradientFinalizer: tp sum of sequence-parallel parameters,
+dp-cp mean) and a fully sharded copy. It returns, per mode and parameter, the largest
+difference between the sharded gradient and this rank's rows of the reference
+gradient, relative to the reference's largest entry, and the losses of both.
+
+The model: VocabParallelEmbedding -> a plain RMS norm Cell -> ColumnParallelLinear ->
+tanh -> RowParallelLinear (residual) -> nn.LayerNorm -> nn.Dense -> mint.nn.Linear ->
+ColumnParallelLinear head -> vocab_parallel_cross_entropy, with sequence parallelism
+when tp > 1. Every dim-0 size is chosen so that the group does not divide it (padding).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mindscience.distributed.harness.registry import check
+
+VOCAB, HIDDEN, FFN, SEQ, BATCH = 30, 10, 12, 8, 2
+_KEEP = []  # compiled functions stay referenced (MindSpore caches them by identity)
+
+
+def _layout(tp=1, pp=1):
+    from mindscience.distributed import manager
+
+    if manager.is_initialized():
+        cur = manager.get_layout()
+        if (cur.tp, cur.cp, cur.pp) == (tp, 1, pp):
+            return
+        manager.destroy_parallel()
+    manager.initialize_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+def _model_classes():
+    import mindspore as ms
+    from mindspore import mint, nn, ops
+
+    from mindscience.distributed.modules import (ColumnParallelLinear, RowParallelLinear,
+                                                 VocabParallelEmbedding,
+                                                 vocab_parallel_cross_entropy)
+    from mindscience.distributed.sharding import mark_sharding
+
+    class RMSNorm(nn.Cell):
+        """A plain Cell with a weight Parameter."""
+
+        def __init__(self, h):
+            super().__init__()
+            self.weight = ms.Parameter(ms.Tensor(np.random.uniform(0.5, 1.5, (h,)).astype(np.float32)),
+                                       name="weight")
+
+        def construct(self, x):
+            return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + 1e-6) * self.weight
+
+    class Block(nn.Cell):
+        def __init__(self, sp):
+            super().__init__()
+            self.norm = RMSNorm(HIDDEN)
+            self.fc1 = ColumnParallelLinear(HIDDEN, FFN, gather_output=False,
+                                            use_sequence_parallel=sp, compute_dtype=None)
+            self.fc2 = RowParallelLinear(FFN, HIDDEN, input_is_parallel=True,
+                                         use_sequence_parallel=sp, compute_dtype=None)
+            self.ln = nn.LayerNorm((HIDDEN,))
+            self.dense = nn.Dense(HIDDEN, HIDDEN)
+            self.lin = mint.nn.Linear(HIDDEN, HIDDEN)
+            if sp:  # replicated parameters that see this tp rank's tokens only
+                for p in (self.norm.weight, self.ln.gamma, self.ln.beta, self.dense.weight,
+                          self.dense.bias, self.lin.weight, self.lin.bias):
+                    mark_sharding(p, axis=None, sequence_parallel=True)
+
+        def construct(self, h):
+            h = h + self.fc2(ops.tanh(self.fc1(self.norm(h))))
+            return self.lin(ops.tanh(self.dense(self.ln(h))))
+
+    class Net(nn.Cell):
+        def __init__(self, sp):
+            super().__init__()
+            from mindscience.distributed import manager
+
+            self.tp = manager.get_tensor_parallel_group()  # compiled code cannot look it up
+            self.embed = VocabParallelEmbedding(VOCAB + (VOCAB % 2), HIDDEN, sequence_parallel=sp)
+            self.block = Block(sp)
+            self.head = ColumnParallelLinear(HIDDEN, VOCAB + (VOCAB % 2), bias=False,
+                                             gather_output=False, use_sequence_parallel=sp,
+                                             compute_dtype=None)
+
+        def construct(self, ids, targets):
+            logits = self.head(self.block(self.embed(ids)))
+            return vocab_parallel_cross_entropy(logits, targets, group=self.tp).mean()
+
+    return Net, Block
+
+
+def _build(seed, sp, shard=False, reshard=False):
+    import mindspore as ms
+
+    from mindscience.distributed import fully_shard
+
+    Net, _ = _model_classes()
+    ms.set_seed(seed)
+    np.random.seed(seed)
+    net = Net(sp)
+    if shard:
+        fully_shard(net, reshard_after_forward=reshard)
+    return net
+
+
+def _data(dp_rank, step=0):
+    rng = np.random.default_rng(1000 * step + dp_rank)
+    ids = rng.integers(0, VOCAB, (SEQ, BATCH)).astype(np.int32)
+    tgt = rng.integers(0, VOCAB, (SEQ, BATCH)).astype(np.int32)
+    return ids, tgt
+
+
+def _value_and_grad(mode, net, params, *args):
+    import mindspore as ms
+
+    fn = ms.value_and_grad(net, None, params)
+    if mode == "graph":
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            _KEEP.append(fn)
+            return fn(*args)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+    if mode == "jit":
+        fn = ms.jit(fn)
+        _KEEP.append(fn)
+    return fn(*args)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    return float(np.max(np.abs(a - b)) / max(1e-30, float(np.max(np.abs(b)))))
+
+
+def _shard_error(ref_grad, shard_grad, info):
+    """Relative error of the shard gradient against this rank's rows of the reference,
+    and the largest |entry| of its padding rows."""
+    from mindscience.distributed.fsdp import shard_range
+
+    g = info.group
+    ref = np.asarray(ref_grad).reshape((info.rows,) + tuple(info.shard_shape[1:]))
+    start, stop = shard_range(info.rows, g.size, g.rank)
+    got = np.asarray(shard_grad)
+    n = stop - start
+    err = _rel(got[:n], ref[start:stop]) if n else 0.0
+    if n:
+        err = float(np.max(np.abs(got[:n] - ref[start:stop]))) / max(1e-30, float(np.max(np.abs(ref))))
+    pad = float(np.max(np.abs(got[n:]))) if got.shape[0] > n else 0.0
+    return err, pad
+
+
+@check("fsdp.parity")
+def parity(ctx, tp=1, modes=("pynative", "jit", "graph"), reshard=(False,), poison=True):
+    """Loss and gradient shards of the fully sharded model vs the finalized reference."""
+    import mindspore as ms
+
+    from mindscience.distributed import GradientFinalizer, manager
+
+    _layout(tp=tp)
+    sp = tp > 1
+    dp_rank = manager.get_data_context_parallel_group().rank
+    ids, tgt = (ms.Tensor(a) for a in _data(dp_rank))
+    records = []
+    for mode in modes:
+        ref = _build(7, sp)
+        ref_params = ref.trainable_params()
+        ref_loss, ref_grads = _value_and_grad(mode, ref, ref_params, ids, tgt)
+        ref_grads = GradientFinalizer(ref_params)(ref_grads)
+        ref_by_name = {p.name: g.asnumpy() for p, g in zip(ref_params, ref_grads)}
+        for rs in reshard:
+            net = _build(7, sp, shard=True, reshard=rs)
+            params = net.trainable_params()
+            names_same = [p.name for p in params] == [p.name for p in ref_params]
+            poisoned = 0
+            if poison:  # padding rows must never reach the model
+                for p in params:
+                    info = p.fsdp
+                    start, stop = _rows_of(info)
+                    if stop - start < info.shard_rows:
+                        data = p.asnumpy()
+                        data[stop - start:] = 1e3
+                        p.set_data(ms.Tensor(data))
+                        poisoned += 1
+            t0 = time.perf_counter()
+            loss, grads = _value_and_grad(mode, net, params, ids, tgt)
+            grads = GradientFinalizer(params)(grads)
+            seconds = time.perf_counter() - t0
+            worst, worst_pad, per_param = 0.0, 0.0, {}
+            for p, g in zip(params, grads):
+                err, pad = _shard_error(ref_by_name[p.name], g.asnumpy(), p.fsdp)
+                per_param[p.name] = err
+                worst, worst_pad = max(worst, err), max(worst_pad, pad)
+            records.append({
+                "check": "fsdp.parity", "group": f"tp{tp}-dp{ctx.world_size // tp}",
+                "mode": mode, "reshard": rs, "loss": float(loss), "ref_loss": float(ref_loss),
+                "loss_error": abs(float(loss) - float(ref_loss)) / max(1e-30, abs(float(ref_loss))),
+                "max_error": worst, "pad_grad": worst_pad, "per_param": per_param,
+                "names_same": names_same, "poisoned": poisoned,
+                "shard_shapes": {p.name: list(p.shape) for p in params},
+                "full_shapes": {p.name: list(p.fsdp.full_shape) for p in params},
+                "seconds": round(seconds, 3),
+                "passed": names_same and worst < 1e-6 and worst_pad == 0.0,
+            })
+    return records
+
+
+def _rows_of(info):
+    from mindscience.distributed.fsdp import shard_range
+
+    return shard_range(info.rows, info.group.size, info.group.rank)
