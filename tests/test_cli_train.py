@@ -1,0 +1,215 @@
+"""``msdist train``: errors before any rank starts, the report with the launcher patched, and
+end to end on CPU ranks (losses at tp2 x pp2, tp2 x dp2, cp2 x dp2 equal the 1-rank run's;
+save, ``msdist checkpoint reshard``, resume at another layout)."""
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import mindscience.distributed.harness as harness
+from mindscience.distributed.harness import LaunchResult
+from mscli.main import app
+
+runner = CliRunner()
+
+
+def layout_file(tmp_path, name, world, **sizes):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"world_size: {world}\nbackend: cpu\n" + "".join(f"{k}: {v}\n" for k, v in sizes.items()))
+    return str(path)
+
+
+def invoke(*args):
+    return runner.invoke(app, ["train", *map(str, args)])
+
+
+# ----------------------------------------------------------------------------- errors (no launch)
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was launched although the input is bad")
+
+    monkeypatch.setattr(harness, "launch", refuse)
+    monkeypatch.setattr(harness, "launch_local_multinode", refuse)
+
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("msdist: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_model_the_layout_cannot_split(tmp_path, no_launch):
+    tp4 = layout_file(tmp_path, "tp4", 4, tp=4)
+    one_line_error(invoke(tp4, "--model", "tiny-llama"), "num_query_groups=2 is not divisible by tp=4",
+                   "Use a tp that divides 2")
+    pp8 = layout_file(tmp_path, "pp8", 8, pp=8)
+    one_line_error(invoke(pp8, "--model", "tiny-gpt"), "num_layers", "pp=8")
+
+
+def test_bad_batch_and_options(tmp_path, no_launch):
+    dp4 = layout_file(tmp_path, "dp4", 4)
+    one_line_error(invoke(dp4, "--model", "tiny-gpt", "--global-batch-size", "4"),
+                   "--global-batch-size 4", "micro_batch_size x dp = 8")
+    one_line_error(invoke(dp4, "--model", "tiny-gpt", "--zero-stage", "7"), "--zero-stage 7 is invalid")
+    one_line_error(invoke(dp4, "--model", "tiny-gpt", "--save-every", "2"), "--save-every 2 needs --save DIR")
+    one_line_error(invoke(dp4), "needs a model", "--model")
+    one_line_error(invoke(dp4, "--model", "no-such-model"), "no-such-model", "tiny-gpt")
+
+
+@pytest.mark.parametrize("array, fragments", [
+    (None, ["no such file"]),
+    (np.zeros((8, 65), np.int32), ["shape (8, 65)", "1-D"]),
+    (np.zeros(10000, np.float32), ["float32", "integer token ids"]),
+    (np.full(10000, 256, np.int32), ["holds id 256", "vocab_size is 256"]),
+    (np.zeros(1000, np.int32), ["holds 1000 tokens = 15 sequences of 64 + 1", "the run reads 24"]),
+])
+def test_bad_data_files(tmp_path, no_launch, array, fragments):
+    one = layout_file(tmp_path, "one", 1)
+    path = tmp_path / "tokens.npy"
+    if array is not None:
+        np.save(path, array)
+    one_line_error(invoke(one, "--model", "tiny-gpt", "--steps", "3", "--data", path), str(path), *fragments)
+
+
+def test_bad_resume_directories(tmp_path, no_launch):
+    one = layout_file(tmp_path, "one", 1)
+    one_line_error(invoke(one, "--model", "tiny-gpt", "--resume", tmp_path / "missing"), "no such directory")
+    (tmp_path / "empty").mkdir()
+    one_line_error(invoke(one, "--model", "tiny-gpt", "--resume", tmp_path / "empty"), "holds no checkpoint")
+
+
+def test_dry_run_prints_msrun_and_launches_nothing(tmp_path, no_launch):
+    lay = layout_file(tmp_path, "tp2pp2", 4, tp=2, pp=2)
+    result = invoke(lay, "--model", "tiny-gpt", "--dry-run", "--log-dir", tmp_path / "logs")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("# node 0\nmsrun --worker_num=4 --local_worker_num=4")
+    two = invoke(lay, "--model", "tiny-gpt", "--dry-run", "--loopback-nodes", "2")
+    assert two.stdout.count("msrun --worker_num=4 --local_worker_num=2") == 2
+
+
+# ----------------------------------------------------------------------------- report (launcher patched)
+def rank_state(rank, stage, losses, times, memory, saved=()):
+    records = [{"check": "layout.groups", "group": "tp", "passed": True},
+               {"check": "train.setup", "group": "train", "passed": True, "first_step": 0}]
+    for i, (loss, seconds) in enumerate(zip(losses, times)):
+        records.append({"check": "train.step", "group": "train", "train_step": i + 1, "loss": loss,
+                        "time_s": seconds, "passed": True})
+    records.append({"check": "train.finish", "group": "train", "passed": True, "saved": list(saved),
+                    "memory": {"stage": stage, **memory}})
+    return {"rank": rank, "status": "done", "records": records}
+
+
+class FakeLaunch:
+    def __init__(self, ranks, failures=()):
+        self.ranks, self.failures, self.calls = ranks, list(failures), []
+
+    def __call__(self, spec, world_size, *args, **kwargs):
+        self.calls.append({"spec": spec, "world_size": world_size, **kwargs})
+        return LaunchResult(ok=not self.failures, returncode=0 if not self.failures else 1, timed_out=False,
+                            duration_s=2.0, ranks=self.ranks, failures=self.failures, log_dir="/tmp/x",
+                            command=["msrun"])
+
+
+MEM = {"weights": 400000, "gradients": 400000, "optimizer": 800000}
+
+
+def test_json_report_with_measured_and_predicted(tmp_path, monkeypatch):
+    ranks = {r: rank_state(r, r // 2, [5.5, 5.4, 5.3], [3.0, 0.5 + r / 10, 0.4], MEM) for r in range(4)}
+    fake = FakeLaunch(ranks)
+    monkeypatch.setattr(harness, "launch", fake)
+    lay = layout_file(tmp_path, "tp2pp2", 4, tp=2, pp=2)
+    out = tmp_path / "report.json"
+    result = invoke(lay, "--model", "tiny-gpt", "--steps", "3", "--zero-stage", "1", "--format", "json",
+                    "-o", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert json.loads(out.read_text()) == report
+    spec = fake.calls[0]["spec"]
+    assert [c["name"] for c in spec["checks"]] == ["layout.init", "train.setup"] + ["train.step"] * 3 + \
+        ["train.finish"]
+    assert spec["checks"][1]["params"]["options"]["zero_stage"] == 1
+    assert {"steps", "measured", "predicted", "layout", "model", "training"} <= set(report)
+    assert [s["step"] for s in report["steps"]] == [1, 2, 3]
+    assert [s["loss"] for s in report["steps"]] == [5.5, 5.4, 5.3]
+    assert report["steps"][1]["time_s"] == 0.8  # the slowest rank
+    assert report["steps"][1]["tokens_per_s"] == pytest.approx(8 * 64 / 0.8)
+    assert report["measured"]["step_time_s"] == pytest.approx(0.6)  # median of 0.8 and 0.4
+    assert report["predicted"]["step_time_s"] > 0
+    assert len(report["measured"]["memory"]) == len(report["predicted"]["memory"]) == 2
+    assert report["measured"]["memory"][1] == {"stage": 1, "ranks": 2, "weights_bytes": 400000,
+                                               "gradients_bytes": 400000, "optimizer_bytes": 800000}
+    assert report["training"]["zero_stage"] == 1 and report["training"]["global_batch_size"] == 8
+    assert report["model"]["name"] == "tiny-gpt" and report["layout"]["pp"] == 2
+    assert report["cluster"]["device"] == "cpu"  # CPU ranks are priced on the cpu preset
+
+
+def test_rich_report_and_a_failed_rank(tmp_path, monkeypatch):
+    ranks = {r: rank_state(r, 0, [5.5, 5.25], [2.0, 0.5], MEM) for r in range(2)}
+    monkeypatch.setattr(harness, "launch", FakeLaunch(ranks))
+    lay = layout_file(tmp_path, "dp2", 2)
+    result = invoke(lay, "--model", "tiny-gpt", "--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert "step    2  loss 5.250000  500.00 ms" in result.stdout
+    assert "measured vs predicted" in result.stdout and "optimizer (bytes)" in result.stdout
+    failure = {"rank": 1, "kind": "crash", "reason": "rank 1 died (signal 9)", "log_tail": "Killed"}
+    monkeypatch.setattr(harness, "launch", FakeLaunch(ranks, failures=[failure]))
+    failed = invoke(lay, "--model", "tiny-gpt", "--steps", "2")
+    assert failed.exit_code == 1
+    assert "rank 1 failed: crash: rank 1 died (signal 9)" in failed.stderr
+
+
+# ----------------------------------------------------------------------------- end to end
+def run_json(*args):
+    result = invoke(*args, "--format", "json", "--timeout", 1500)
+    assert result.exit_code == 0, result.output[-3000:]
+    return json.loads(result.stdout)
+
+
+def losses(report):
+    return [s["loss"] for s in report["steps"]]
+
+
+@pytest.mark.multiprocess
+def test_layouts_match_the_one_rank_run_and_resume_after_reshard(tmp_path):
+    """Five launches: tiny-gpt at 1 rank and tp2 x pp2 (saving), resharded offline and
+    resumed at tp2 x dp2; tiny-llama at 1 rank and cp2 x dp2."""
+    started = time.perf_counter()
+    one = layout_file(tmp_path, "one", 1)
+    tp2pp2 = layout_file(tmp_path, "tp2pp2", 4, tp=2, pp=2)
+    tp2dp2 = layout_file(tmp_path, "tp2dp2", 4, tp=2)
+    cp2dp2 = layout_file(tmp_path, "cp2dp2", 4, cp=2)
+    steps = 4
+    dense = run_json(one, "--model", "tiny-gpt", "--steps", steps)
+    want = losses(dense)
+    assert len(want) == steps and len(set(want)) == steps
+
+    ckpt = tmp_path / "ckpt"
+    piped = run_json(tp2pp2, "--model", "tiny-gpt", "--steps", steps, "--save", ckpt, "--save-every", 2)
+    np.testing.assert_allclose(losses(piped), want, rtol=1e-5)
+    assert sorted(os.listdir(ckpt)) == ["step_2", "step_4"]
+    assert [m["stage"] for m in piped["measured"]["memory"]] == [0, 1]
+
+    # a checkpoint of another model is refused before any rank starts
+    refused = invoke(tp2dp2, "--model", "tiny-llama", "--resume", ckpt)
+    assert refused.exit_code == 2 and "model.num_query_groups is 4 in the checkpoint, 2 here" in refused.stderr
+
+    moved = tmp_path / "step_2_tp2dp2"
+    reshard = runner.invoke(app, ["checkpoint", "reshard", str(ckpt / "step_2"), str(moved), "--to", tp2dp2])
+    assert reshard.exit_code == 0, reshard.output
+    resumed = run_json(tp2dp2, "--model", "tiny-gpt", "--steps", 2, "--resume", moved)
+    assert [s["step"] for s in resumed["steps"]] == [3, 4]
+    np.testing.assert_allclose(losses(resumed), want[2:], rtol=1e-5)
+    assert resumed["resumed"]["step"] == 2
+
+    llama = losses(run_json(one, "--model", "tiny-llama", "--steps", 2))
+    context = run_json(cp2dp2, "--model", "tiny-llama", "--steps", 2)
+    np.testing.assert_allclose(losses(context), llama, rtol=1e-5)
+    print(f"\n5 msdist train launches took {time.perf_counter() - started:.1f} s")
