@@ -25,6 +25,7 @@ from mindscience.distributed.costmodel import (
     violations,
 )
 from mindscience.distributed.costmodel.comm import send_factor, traffic
+from mindscience.distributed.costmodel.report import memory_report
 from mindscience.distributed.topology import Layout
 
 GPT3 = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, dropout=0.1,
@@ -100,13 +101,16 @@ def test_parameters_summed_over_the_tp_pp_grid_equal_the_total(case):
 
 # ------------------------------------------------------------------ activations (Korthikanti Table 2)
 def korthikanti(t, sp, recompute):
-    """Table 2 of Korthikanti et al. 2022 in bytes per layer (16-bit activations)."""
+    """Table 2 of Korthikanti et al. 2022 in bytes per layer (16-bit activations), with the
+    scores term 4as/h instead of 5as/h: the library's attention has no dropout, so of
+    Korthikanti's softmax output (2), dropout mask (1) and dropped copy (2) it keeps the
+    scores (2) and probabilities (2) of its dense core."""
     if recompute == "full":
         return Fraction(2 * SBH, t if sp else 1)
     if recompute == "selective":
         per = Fraction(34, t) if sp else 10 + Fraction(24, t)
     else:
-        scores = Fraction(5 * A * S, H * t)
+        scores = Fraction(4 * A * S, H * t)
         per = Fraction(34, t) + scores if sp else 10 + Fraction(24, t) + scores
     return SBH * per
 
@@ -121,39 +125,59 @@ def test_layer_activations_reproduce_table_2(t, sp, recompute):
 def test_gpt3_tp8_sp_selective_is_34_over_t_exactly():
     value = layer_activation_bytes(GPT3, TrainingSpec(recompute="selective"), tp=8, cp=1)
     assert value == S * 1 * H * 34 // 8 == 106_954_752
-    # Unparallelized: s*b*h*(34 + 5*a*s/h) = sbh * (34 + 80).
-    assert layer_activation_bytes(GPT3, TrainingSpec(sequence_parallel=False), 1, 1) == SBH * 114
+    # Unparallelized: s*b*h*(34 + 4*a*s/h) = sbh * (34 + 64).
+    assert layer_activation_bytes(GPT3, TrainingSpec(sequence_parallel=False), 1, 1) == SBH * 98
 
 
 def test_fp32_activations_double_every_non_mask_term():
-    # 16 bits: 10 = 4 tensors * 2 + 2 masks; 24 = 12 * 2; 5 = 2 * 2 + 1 mask. 32 bits: 18, 48, 9.
+    # 16 bits: 10 = 4 tensors * 2 + 2 masks; 24 = 12 * 2; 4 = 2 tensors * 2. 32 bits: 18, 48, 8.
     training = TrainingSpec(precision="fp32", sequence_parallel=False)
-    assert layer_activation_bytes(GPT3, training, 8, 1) == SBH * (18 + Fraction(48, 8) + Fraction(9 * A * S, H * 8))
+    assert layer_activation_bytes(GPT3, training, 8, 1) == SBH * (18 + Fraction(48, 8) + Fraction(8 * A * S, H * 8))
+
+
+def test_without_dropout_the_masks_are_gone_and_the_ring_keeps_no_scores():
+    nodrop = ModelSpec(num_layers=96, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V)
+    # 10 -> 8 (no masks) with the 24 split over t = 8, no sequence parallelism, selective.
+    training = TrainingSpec(sequence_parallel=False, recompute="selective")
+    assert layer_activation_bytes(nodrop, training, 8, 1) == SBH * 8 + SBH * 24 // 8
+    # cp = 2 with the ring (the default method): s/cp tokens, no scores even without recomputation.
+    ring = TrainingSpec(sequence_parallel=True)
+    assert layer_activation_bytes(GPT3, ring, tp=4, cp=2) == (S // 2) * H * Fraction(34, 4)
+    # SwiGLU keeps its fused 2f input and f output: split 2*(2h + 2gd + 3f) per token.
+    swiglu = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=0,
+                       ffn_hidden_size=128, activation="swiglu")
+    assert layer_activation_bytes(swiglu, TrainingSpec(recompute="selective", sequence_parallel=False), 1, 1) == \
+        32 * (4 * 2 * 64 + 2 * (2 * 64 + 2 * 64 + 3 * 128))
 
 
 def test_context_parallel_divides_the_sequence_and_keeps_full_attention():
     # Ulysses: s/cp tokens per rank; scores for a/(t*cp) heads over the whole sequence.
-    training = TrainingSpec(sequence_parallel=True)
+    training = TrainingSpec(sequence_parallel=True, context_parallel_method="ulysses")
     got = layer_activation_bytes(GPT3, training, tp=4, cp=2)
-    assert got == (S // 2) * H * Fraction(34, 4) + 5 * (A // 8) * S * S
+    assert got == (S // 2) * H * Fraction(34, 4) + 4 * (A // 8) * S * S
 
 
 def test_gpt3_stage_memory_tp8_pp8_by_hand():
+    # Korthikanti's 1F1B memory (every layer's activations of the micro-batches in flight):
+    # stage_rows without the library runtime's stage re-run.
     training = TrainingSpec(global_batch_size=1536, recompute="selective")
     layout = Layout(world_size=64, tp=8, pp=8, devices_per_node=8)
-    report = estimate(layout, Workload(model=GPT3, training=training))
+    stages = stage_rows(GPT3, training, 8, 1, 8, 1, 800 * MIB)
+    report = {"memory": memory_report(stages, 64 * 1024**3),
+              "model": {"num_microbatches": estimate(layout, Workload(model=GPT3, training=training))
+                        ["model"]["num_microbatches"]}}
     first = report["memory"]["stages"][0]
     params = 2_822_731_776
     layer = 106_954_752
-    scores = 5 * A * S * S // 8  # the one layer being recomputed
+    scores = 4 * A * S * S // 8  # the one layer being recomputed: scores and probabilities
     embedding = (8 * S + SBH // 8) * 8  # token ids + dropout mask, 8 micro-batches in flight
     activations = 12 * layer * 8 + scores + embedding
     assert first["microbatches_in_flight"] == 8 and report["model"]["num_microbatches"] == 1536
     assert first["parameters"] == params
     assert (first["weights_bytes"], first["gradients_bytes"], first["optimizer_bytes"]) == (2 * params, 4 * params, 12 * params)
-    assert first["activations_bytes"] == activations == 10_544_611_328
+    assert first["activations_bytes"] == activations == 10_494_279_680
     assert first["communicator_bytes"] == 2 * 400 * MIB  # tp and pp communicators
-    assert first["total_bytes"] == 18 * params + activations + 800 * MIB == 62_192_644_096
+    assert first["total_bytes"] == 18 * params + activations + 800 * MIB == 62_142_312_448
     last = report["memory"]["stages"][7]
     assert last["microbatches_in_flight"] == 1
     # Korthikanti 4.3: the output layer adds 4sbh/t * (1 + v/h).
@@ -207,7 +231,8 @@ def test_gpt3_traffic_tp8_pp8_by_hand():
 def test_traffic_without_sp_cp_and_distributed_optimizer():
     m = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                   seq_length=32, vocab_size=128)
-    training = TrainingSpec(sequence_parallel=False, distributed_optimizer=True, global_batch_size=4)
+    training = TrainingSpec(sequence_parallel=False, distributed_optimizer=True, global_batch_size=4,
+                            context_parallel_method="ulysses")
     rows = {(r["group"], r["op"]): r for r in traffic(m, training, tp=2, cp=2, pp=1, dp=2)}
     passes = 2 * 2  # 2 layers x m = 4 / (1 * 2)
     act = 16 * 64 * 2  # s/cp * b * h * 2 bytes
@@ -226,8 +251,10 @@ def test_traffic_without_sp_cp_and_distributed_optimizer():
     [
         (dict(num_attention_heads=6, hidden_size=48), {}, (4, 1, 1, 1), "num_attention_heads % tp", "tp that divides 6"),
         (dict(num_attention_heads=8, num_query_groups=2), {}, (4, 1, 1, 1), "num_query_groups % tp", "tp that divides 2"),
-        (dict(num_attention_heads=8), {}, (2, 8, 1, 1), "(num_attention_heads / tp) % cp", "cp that divides 4"),
-        (dict(num_attention_heads=8, num_query_groups=4), {}, (2, 4, 1, 1), "(num_query_groups / tp) % cp", "cp that divides 2"),
+        (dict(num_attention_heads=8), dict(context_parallel_method="ulysses"), (2, 8, 1, 1),
+         "(num_attention_heads / tp) % cp", "cp that divides 4"),
+        (dict(num_attention_heads=8, num_query_groups=4), dict(context_parallel_method="ulysses"), (2, 4, 1, 1),
+         "(num_query_groups / tp) % cp", "cp that divides 2"),
         (dict(num_layers=3), {}, (1, 1, 2, 1), "num_layers % pp", "pp that divides 3"),
         (dict(seq_length=6), {}, (4, 1, 1, 1), "seq_length % (tp*cp)", "sequence_parallel: false"),
         (dict(seq_length=6), dict(sequence_parallel=False), (1, 4, 1, 1), "seq_length % cp", "cp that divides 6"),
@@ -290,9 +317,11 @@ def test_docstring_examples_hold():
     import doctest
 
     from mindscience.distributed import costmodel
-    from mindscience.distributed.costmodel import calibrate, comm, constraints, devices, memory, report, search, spec, steptime
+    from mindscience.distributed.costmodel import (calibrate, comm, constraints, devices, memory, params, report,
+                                                   runtime, search, spec, steptime)
     from mindscience.distributed.topology import layout
 
-    for module in (costmodel, calibrate, comm, constraints, devices, memory, report, search, spec, steptime, layout):
+    for module in (costmodel, calibrate, comm, constraints, devices, memory, params, report, runtime, search, spec,
+                   steptime, layout):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

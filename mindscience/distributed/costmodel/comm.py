@@ -9,7 +9,8 @@ group         op (per layer and micro-batch)            message (one call)
 tp            all_reduce x 4 (2 fwd, 2 bwd)             ``s/cp * b * h`` activations
 tp with SP    all_gather x 6, reduce_scatter x 4        the same (the backward all-gathers the
                                                         column-linear inputs again, Korthikanti 4.2.2)
-cp (Ulysses)  all_to_all x 8 (q, k, v, out; fwd+bwd)    ``s/cp * b * h/tp`` (k, v: ``g*d/tp``)
+cp            by context_parallel_method (:func:`cp_rows`): Ulysses all_to_all x 8 (q, k, v, out;
+              fwd+bwd), all-gather KV, ring shifts of the K/V block
 pp            send_recv x 2 per micro-batch (x v)       ``s/cp * b * h`` (``/tp`` with SP)
 dp-cp ZeRO-0  all_reduce x 1 per step                   the rank's fp32 gradients
 dp-cp ZeRO-1,2 reduce_scatter + all_gather per step     fp32 gradients, then the updated weights
@@ -21,8 +22,9 @@ ZeRO messages are the padded shards times ``d`` (contract C1). Stage 3 sends ``3
 per micro-batch against stage 0's ``2 * 4 P (d-1)/d`` per step: at ``w = 4`` and one
 micro-batch, 1.5x the all-reduce (Rajbhandari et al. 2020, sec. 7.2.2).
 
-Full recomputation runs each layer's forward again (+2 tp collectives of each kind, +4
-all-to-alls). Bytes sent per call are ``message * factor``: ``2(n-1)/n`` for all-reduce,
+Full recomputation, and the pipeline runtime's re-run of a stage's forward
+(:mod:`.runtime`), run each layer's forward again (+2 tp collectives of each kind, the
+forward's cp collectives again). Bytes sent per call are ``message * factor``: ``2(n-1)/n`` for all-reduce,
 ``(n-1)/n`` for all-gather, reduce-scatter and all-to-all, 1 for point-to-point: the
 nccl-tests bus factors, so the time is ``bytes / bandwidth`` with the cluster's per-device
 (bus) bandwidth, inter-node when any group of the key spans nodes
@@ -43,7 +45,7 @@ of ``s*b*h = 4`` bf16 values: 4 all-reduces of 8 bytes, each sending ``8 * 2*(2-
 from __future__ import annotations
 
 from .memory import BYTES, GRADIENT_BYTES, num_microbatches
-from .params import rank_layers, sharded_elements, stage_shapes
+from .params import model_stage_layers, rank_layers, sharded_elements, stage_shapes
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 GROUPS = ("tp", "cp", "pp", "dp-cp")
@@ -70,49 +72,107 @@ def _row(group: str, op: str, size: int, count: int, total: int) -> dict:
     }
 
 
-def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int) -> list[dict]:
+def recompute_passes(model: ModelSpec, training: TrainingSpec, pp: int, stage: int, runtime=None) -> float:
+    """Extra forwards per micro-batch of rank ``stage``'s layers, as a fraction of its layers.
+
+    ``recompute: full`` re-runs every layer (1); the pipeline runtime's stage re-run
+    (:class:`~.runtime.Runtime`) adds the layers of every chunk but the last model stage's.
+    """
+    again = 1.0 if training.recompute == "full" else 0.0
+    if runtime is not None and runtime.stage_recompute and pp > 1:
+        chunks = model_stage_layers(model, training, pp)
+        mine = chunks[stage::pp]
+        total = sum(mine)
+        last = chunks[-1] if stage == pp - 1 else 0
+        again += (total - last) / total if total else 0.0
+    return again
+
+
+def busiest_stage(model: ModelSpec, training: TrainingSpec, pp: int) -> int:
+    """The pipeline rank with the most layers (the later one on a tie: it adds the logits)."""
+    layers = rank_layers(model, training, pp)
+    return max(range(pp), key=lambda i: (layers[i], i))
+
+
+def cp_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, passes: float, again: float) -> list[dict]:
+    """The context-parallel rows of ``passes`` layer passes (x micro-batches) and ``again`` re-runs.
+
+    One pass moves, per layer, with ``q`` = ``h/t`` and ``kv`` = ``g d/t`` channels of the
+    rank's ``s/cp`` tokens:
+
+    * ulysses: 4 all-to-alls forward (q, k, v, out) and 4 backward; re-runs add 4;
+    * allgather_kv: K and V all-gathered (2 calls of the gathered ``cp`` blocks) forward,
+      their gradients reduce-scattered backward; re-runs add 2 all-gathers;
+    * ring: ``cp - 1`` shifts of the K/V block forward; backward ``cp - 1`` shifts of
+      K/V with their gradient accumulators (twice the bytes) and one shift bringing the
+      accumulators home (:mod:`mindscience.distributed.modules.attention.ring`).
+    """
+    if cp <= 1:
+        return []
+    b, h = training.micro_batch_size, model.hidden_size
+    nbytes = BYTES[training.precision]["activation"]
+    tokens = model.seq_length // cp * b
+    q, kv = h // tp, model.num_query_groups * model.kv_channels // tp
+    method = training.context_parallel_method
+    if method == "ulysses":
+        one_pass = 2 * (q + kv) * tokens * nbytes
+        count = round(4 * (2 + again) * passes)
+        return [_row("cp", "all_to_all", cp, count, round((2 + again) * passes * one_pass))]
+    block = 2 * kv * tokens * nbytes  # this rank's K and V
+    if method == "allgather_kv":
+        gathers = round(2 * (1 + again) * passes)
+        return [_row("cp", "all_gather", cp, gathers, round((1 + again) * passes * cp * block)),
+                _row("cp", "reduce_scatter", cp, round(2 * passes), round(passes * cp * block))]
+    shifts = round(((1 + again) * (cp - 1) + cp) * passes)
+    sent = ((1 + again) * (cp - 1) * block + (2 * (cp - 1) + 1) * block) * passes
+    return [_row("cp", "send_recv", cp, shifts, round(sent))]
+
+
+def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
+            runtime=None) -> list[dict]:
     """Rows ``{group, op, group_size, count, message_bytes, bytes}`` for the busiest rank.
 
     Layout-order independent: where ranks sit (and so which link carries them) is added
-    by :func:`timed`.
+    by :func:`timed`. ``runtime`` (:func:`~.runtime.what_runs`) adds the pipeline
+    runtime's re-run forwards.
     """
     h, b = model.hidden_size, training.micro_batch_size
     nbytes = BYTES[training.precision]
     local = model.seq_length // cp
     microbatches = num_microbatches(training, dp, tp * cp * pp * dp)
-    calls = max(rank_layers(model, training, pp)) * microbatches  # layer passes per step, busiest rank
-    again = 1 if training.recompute == "full" else 0
+    stage = busiest_stage(model, training, pp)
+    passes = rank_layers(model, training, pp)[stage] * microbatches  # layer passes per step
+    again = recompute_passes(model, training, pp, stage, runtime)
     sp = training.sequence_parallel and tp > 1
     activation = local * b * h * nbytes["activation"]
     rows = []
     if tp > 1:
         for op, per_layer in (("all_gather", 6), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),):
-            count = (per_layer + 2 * again) * calls
+            count = round((per_layer + 2 * again) * passes)
             rows.append(_row("tp", op, tp, count, count * activation))
-    if cp > 1:
-        # q and out carry h/tp channels, k and v g*d/tp; forward, backward (and a recomputed forward).
-        kv = model.num_query_groups * model.kv_channels
-        one_pass = 2 * (h + kv) * local * b * nbytes["activation"] // tp
-        rows.append(_row("cp", "all_to_all", cp, 4 * (2 + again) * calls, (2 + again) * calls * one_pass))
+    rows += cp_rows(model, training, tp, cp, passes, again)
     if pp > 1:
         # A middle stage sends both ways; with v model chunks per rank every chunk boundary sends.
         sends = microbatches * (2 if pp > 2 else 1) * training.virtual_pipeline_stages
         rows.append(_row("pp", "send_recv", pp, sends, sends * (activation // (tp if sp else 1))))
-    rows += zero_traffic(model, training, tp, pp, dp * cp, microbatches)
+    rows += zero_traffic(model, training, tp, pp, dp * cp, microbatches,
+                         runtime is not None and runtime.stage_recompute and pp > 1)
     return rows
 
 
-def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: int, microbatches: int) -> list[dict]:
+def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: int, microbatches: int,
+                 regather: bool = False) -> list[dict]:
     """The dp-cp rows of the pipeline rank with the most parameters, at the training's ZeRO stage.
 
     Stage 0 all-reduces the fp32 gradients once per step (bucketed: one call); stages 1-2
     reduce-scatter them and all-gather the updated weights (the same bytes as the
-    all-reduce); stage 3 all-gathers every parameter before its forward and again before
-    its backward and reduce-scatters its gradient, per parameter and micro-batch.
+    all-reduce); stage 3 all-gathers every parameter before each forward (``regather``:
+    also before the pipeline runtime's re-run forward) and reduce-scatters its gradient,
+    per parameter and micro-batch (``fully_shard``, ``reshard_after_forward=False``).
 
         >>> m = ModelSpec(num_layers=1, hidden_size=4, num_attention_heads=1, seq_length=2, vocab_size=0,
         ...               bias=False, normalization="rmsnorm", position_embedding="rope")
-        >>> rows = zero_traffic(m, TrainingSpec(zero_stage=3, precision="fp32"), 1, 1, 2, 1)
+        >>> rows = zero_traffic(m, TrainingSpec(zero_stage=3, precision="fp32"), 1, 1, 2, 1, regather=True)
         >>> [(r["op"], r["count"], r["bytes"]) for r in rows]  # 7 tensors, 204 fp32 values, x 1/2
         [('all_gather', 14, 816), ('reduce_scatter', 7, 408)]
     """
@@ -128,7 +188,8 @@ def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: 
         return [_row("dp-cp", "reduce_scatter", d, 1, padded * GRADIENT_BYTES),
                 _row("dp-cp", "all_gather", d, 1, padded * w)]
     tensors = sum(n for _, _, n in shapes)
-    return [_row("dp-cp", "all_gather", d, 2 * tensors * microbatches, 2 * microbatches * padded * w),
+    gathers = 2 if regather else 1
+    return [_row("dp-cp", "all_gather", d, gathers * tensors * microbatches, gathers * microbatches * padded * w),
             _row("dp-cp", "reduce_scatter", d, tensors * microbatches, microbatches * padded * w)]
 
 

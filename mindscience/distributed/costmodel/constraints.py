@@ -33,7 +33,8 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
     * ``num_attention_heads % tp``, ``num_query_groups % tp``: tensor parallelism gives
       each rank whole query heads and whole key/value groups;
     * ``(num_attention_heads / tp) % cp``, ``(num_query_groups / tp) % cp``: Ulysses
-      context parallelism splits each tp rank's heads again over cp;
+      context parallelism splits each tp rank's heads again over cp (the ring and
+      all-gather KV keep every head);
     * ``ffn_hidden_size % tp``, ``vocab_size % tp``: column-parallel MLP and the
       vocabulary-parallel embedding split these over tp;
     * ``num_layers % pp``: the layers cut into pp stages, evenly or with the training's
@@ -44,6 +45,7 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
       ``num_layers % (pp*virtual_pipeline_stages)`` and ``microbatches % pp (interleaved)``.
     """
     a, g = model.num_attention_heads, model.num_query_groups
+    ulysses = training.context_parallel_method == "ulysses"
     found = []
 
     def add(name: str, message: str) -> None:
@@ -52,14 +54,14 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
     if a % tp:
         add("num_attention_heads % tp", f"num_attention_heads={a} is not divisible by tp={tp}: tensor "
             f"parallelism gives each rank whole heads. Use a tp that divides {a} ({_divisors(a)}).")
-    elif (a // tp) % cp:
+    elif ulysses and (a // tp) % cp:
         add("(num_attention_heads / tp) % cp", f"heads per tp rank {a}/{tp} = {a // tp} is not divisible "
             f"by cp={cp}: Ulysses context parallelism splits each rank's heads over cp. Use a cp that "
             f"divides {a // tp} ({_divisors(a // tp)}) or a smaller tp.")
     if g != a and g % tp:  # grouped-query attention: the key/value groups split too
         add("num_query_groups % tp", f"num_query_groups={g} is not divisible by tp={tp}: each tensor-"
             f"parallel rank holds whole key/value groups. Use a tp that divides {g} ({_divisors(g)}).")
-    elif g != a and (g // tp) % cp:
+    elif ulysses and g != a and (g // tp) % cp:
         add("(num_query_groups / tp) % cp", f"key/value groups per tp rank {g}/{tp} = {g // tp} is not "
             f"divisible by cp={cp}: Ulysses context parallelism splits the key/value heads over cp too. "
             f"Use a cp that divides {g // tp} ({_divisors(g // tp)}) or a smaller tp.")

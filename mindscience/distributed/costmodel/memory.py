@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
-from .params import (embedding_parameters, layer_parameters, layer_shapes, mlp_fc1_width, rank_layers,
+from .params import (embedding_parameters, layer_parameters, mlp_fc1_width, model_stage_layers, rank_layers,
                      sharded_elements, stage_parameters, stage_shapes, total_parameters)
 from .spec import ModelSpec, TrainingSpec
 
@@ -77,17 +77,19 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp
 
     In bytes per ``s*b*h`` element at 16 bits with dropout: 10 not split by tp (norm and
     linear inputs, 2 dropout masks), 24 split by tp (Q, K, V, projection input, MLP), and
-    ``5*a*s/h`` for the attention scores (softmax, its dropout mask and output):
+    ``4*a*s/h`` for the attention scores and probabilities the dense core keeps
+    (Korthikanti's ``5as/h`` less the attention-dropout mask and copy, which the library
+    does not have; 0 for the ring attention at ``cp > 1``, which recomputes them):
 
-    * no recomputation: ``10 + 24/t + 5as/(ht)``; with sequence parallelism
-      ``34/t + 5as/(ht)``;
+    * no recomputation: ``10 + 24/t + 4as/(ht)``; with sequence parallelism
+      ``34/t + 4as/(ht)``;
     * selective (attention core recomputed): ``10 + 24/t``, ``34/t`` with sequence parallelism;
     * full: ``2`` (the layer input), ``2/t`` with sequence parallelism.
 
     Generalisations (exact at ``g = a``, ``f = 4h``, gelu, 16 bits, ``cp = 1``, dropout):
     the split 24 is ``2*(2 + 2g/a + 2f/h)``, SwiGLU keeps its fused ``2f`` input and ``f``
     output (``2*(2 + 2g/a + 3f/h)``); without dropout (``model.dropout == 0``, the default)
-    the three masks are gone (``8 + 24/t``, scores ``2as/(ht)``); at 32 bits every
+    the two masks are gone (``8 + 24/t``); at 32 bits every
     non-mask term doubles; the sequence in the ``s*b*h`` factor is the rank's ``s/cp``,
     while Ulysses attention holds ``a/(t*cp)`` heads over the full ``s``.
     """
@@ -104,10 +106,16 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp
     mlp = mlp_fc1_width(model) + model.ffn_hidden_size  # fc1 output (activation input) + fc2 input
     split = nbytes * local * b * (2 * h + kv + mlp)
     total = (replicated + split) // tp if sp else replicated + split // tp
-    if training.recompute == "none":
-        scores = (2 * nbytes + masks) if masks else nbytes  # softmax output (+ mask and dropped copy)
-        total += scores * a * model.seq_length * local * b // tp
+    if training.recompute == "none" and not ring_attention(training, cp):
+        # The dense core keeps its scores and probabilities, a/t heads x s/cp queries x s keys
+        # (the library has no attention dropout, so Korthikanti's mask and dropped copy are not there).
+        total += 2 * nbytes * a * model.seq_length * local * b // tp
     return total
+
+
+def ring_attention(training: TrainingSpec, cp: int) -> bool:
+    """The ring runs (``cp > 1``): it keeps no scores and recomputes them in its backward."""
+    return cp > 1 and training.context_parallel_method == "ring"
 
 
 def working_set_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int) -> int:
@@ -124,17 +132,19 @@ def working_set_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int
     return everything - layer_activation_bytes(model, training, tp, cp)
 
 
-def gathered_bytes(model: ModelSpec, training: TrainingSpec, tp: int) -> int:
-    """ZeRO-3's transient: one layer's all-gathered weights and their unreduced gradient.
+def gathered_bytes(model: ModelSpec, training: TrainingSpec, tp: int, params: int) -> int:
+    """ZeRO-3's gathered weights: a stage's full (tp-local) weights, ``w * params``.
 
-    ``fully_shard`` gathers a layer's full (tp-local) weights before its forward and again
-    before its backward, and the backward's gradient of them exists in the model dtype
-    until the reduce-scatter: ``2 * w * (the layer's tp-local parameters)``; 0 below stage 3.
+    ``fully_shard`` (``reshard_after_forward=False``) gathers each parameter for a
+    micro-batch's forward and autodiff keeps the gathered tensor until that backward, so
+    the stage's whole weights are alive once more while a micro-batch is between its
+    forward and backward (micro-batches run forward-to-backward one at a time on a
+    single stage; the pipeline runtime re-runs the forward just before the backward).
+    0 below stage 3.
     """
     if training.zero_stage < 3:
         return 0
-    local = sum(prod(shape) for shape, _ in layer_shapes(model, tp))
-    return 2 * BYTES[training.precision]["weights"] * local
+    return BYTES[training.precision]["weights"] * params
 
 
 def edge_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int) -> tuple[int, int]:
@@ -195,47 +205,70 @@ def layers_in_flight(layers: int, pp: int, stage: int, microbatches: int, virtua
     return layers / virtual_stages * chunks
 
 
+def stage_input_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int) -> int:
+    """One micro-batch's stage input, ``s/cp * b * h`` values (``/t`` with sequence parallelism)."""
+    sp = training.sequence_parallel and tp > 1
+    local = model.seq_length // cp * training.micro_batch_size * model.hidden_size
+    return BYTES[training.precision]["activation"] * local // (tp if sp else 1)
+
+
 def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
-               communicator_bytes: int = 0) -> list[dict]:
+               communicator_bytes: int = 0, runtime=None) -> list[dict]:
     """One memory row per pipeline rank (the JSON ``memory.stages``), in bytes per rank.
 
     Weights, gradients and optimizer state follow :func:`bytes_per_parameter` (contract
     C2) with the ZeRO shards counted per parameter, padding included (contract C1):
     ``sharded`` = :func:`~.params.sharded_elements` over ``d = dp * cp``. Layers per rank
     follow the training's stage cut, so an unequal first or last stage shows here.
+
+    ``runtime`` (:class:`~.runtime.Runtime`, from :func:`~.runtime.what_runs`): with
+    ``stage_recompute`` the pipeline runtime keeps one stage input per chunk in flight
+    (token ids on the first stage) and the activations of one micro-batch of its largest
+    chunk while that chunk's re-run forward and backward run; without it, Korthikanti's
+    layers x micro-batches in flight.
     """
     w = BYTES[training.precision]["weights"]
     stage_z, d = training.zero_stage, dp * cp
     main = MAIN_WEIGHT_BYTES if stage_z >= 1 or w != MAIN_WEIGHT_BYTES else 0
     layer = layer_activation_bytes(model, training, tp, cp)
     first, last = edge_activation_bytes(model, training, tp, cp)
+    ids = TOKEN_ID_BYTES * model.seq_length // cp * training.micro_batch_size
     working = working_set_bytes(model, training, tp, cp)
-    gathered = gathered_bytes(model, training, tp)
     m = num_microbatches(training, dp, tp * cp * pp * dp)
     v = training.virtual_pipeline_stages if pp > 1 else 1
     per_rank = rank_layers(model, training, pp)
+    chunk_layers = model_stage_layers(model, training, pp)
+    recomputing = runtime is not None and runtime.stage_recompute and pp > 1
     rows = []
     for stage in range(pp):
         shapes = stage_shapes(model, tp, pp, stage, training)
         params = sum(n * prod(shape) for shape, _, n in shapes)
         sharded = sharded_elements(shapes, d) if d > 1 else params
         flying = in_flight(pp, stage, m)
-        held = layers_in_flight(per_rank[stage], pp, stage, m, v)
-        activations = round(held * layer) + (working if per_rank[stage] else 0)
-        if stage == 0:
-            activations += first * flying
+        mine = per_rank[stage]
+        if recomputing:
+            chunks = layers_in_flight(v, pp, stage, m, v)  # chunk inputs held
+            inputs = flying * ids + (chunks - flying) * stage_input_bytes(model, training, tp, cp) \
+                if stage == 0 else chunks * stage_input_bytes(model, training, tp, cp)
+            largest = max(chunk_layers[stage::pp])
+            activations = round(inputs) + largest * layer + (working if largest else 0)
+            activations += first - ids if stage == 0 else 0  # the embedding's own, one micro-batch
+        else:
+            held = layers_in_flight(mine, pp, stage, m, v)
+            activations = round(held * layer) + (working if mine else 0)
+            activations += first * flying if stage == 0 else 0
         if stage == pp - 1:
             activations += last
         row = {
             "stage": stage,
-            "layers": per_rank[stage],
+            "layers": mine,
             "parameters": params,
             "zero_stage": stage_z,
             "weights_bytes": w * (sharded if stage_z >= 3 else params),
             "gradients_bytes": GRADIENT_BYTES * (sharded if stage_z >= 2 else params),
             "optimizer_bytes": (ADAM_MOMENT_BYTES + main) * (sharded if stage_z >= 1 else params),
             "activations_bytes": activations,
-            "gathered_bytes": gathered if per_rank[stage] else 0,
+            "gathered_bytes": gathered_bytes(model, training, tp, params),
             "communicator_bytes": communicator_bytes,
             "microbatches_in_flight": flying,
         }

@@ -22,7 +22,11 @@ from .comm import crossing_flags, timed, traffic
 from .constraints import check
 from .errors import ModelError
 from .memory import num_microbatches, pipeline_bubble, stage_rows, total_parameters
+from .params import rank_layers
+from .runtime import what_runs
 from .spec import Workload
+
+ARCHITECTURE = ("normalization", "activation", "position_embedding", "tie_embeddings", "bias", "dropout")
 from .steptime import step_time
 
 MIB = 1024**2
@@ -46,7 +50,10 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
     Returns:
         ``{"model": {...}, "memory": {"stages": [...], "peak_bytes", "device_memory_bytes",
         "fits"}, "communication": {"per_step": [...], "est_time_s", "bottleneck"}, "time":
-        {"step_time_s", "breakdown", "tokens_per_s", "mfu", ...}}`` (:func:`~.steptime.step_time`).
+        {"step_time_s", "breakdown", "tokens_per_s", "mfu", ...}, "notes": [...]}``
+        (:func:`~.steptime.step_time`). Priced as the library runs it
+        (:func:`~.runtime.what_runs`): ``model.training`` is the configured training,
+        ``model.priced_training`` the one priced, ``notes`` says why they differ.
 
     Raises:
         ModelError: the workload has no model.
@@ -59,21 +66,28 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
             "to the layout file.")
     check(model, training, layout, workload.source)
     sizes = (layout.tp, layout.cp, layout.pp, layout.dp)
-    stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb))
-    rows, flags = traffic(model, training, *sizes), crossing_flags(layout)
+    configured = training
+    training, runtime, notes = what_runs(training, *sizes)
+    stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb), runtime)
+    rows, flags = traffic(model, training, *sizes, runtime), crossing_flags(layout)
     communication = timed(rows, flags, cluster)
-    timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows)
+    timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime)
     microbatches = num_microbatches(training, layout.dp, layout.world_size)
     summary = {
         "name": model.name,
         "source": workload.source,
         "parameters": total_parameters(model),
+        "architecture": {k: getattr(model, k) for k in ARCHITECTURE},
         "num_microbatches": microbatches,
         "pipeline_bubble": pipeline_bubble(layout.pp, microbatches, timing["virtual_stages"]),
-        "training": asdict(training),
+        "zero_stage": training.zero_stage,
+        "stage_layers": rank_layers(model, training, layout.pp),
+        "training": asdict(configured),
+        "priced_training": asdict(training),
+        "runtime": asdict(runtime),
         "cluster": asdict(cluster),
     }
     time = {k: timing[k] for k in ("step_time_s", "breakdown", "tokens_per_s", "mfu")}
     time.update({k: timing[k] for k in ("model_flops_per_step", "slot_s", "dp_reduce_s")})
     return {"model": summary, "memory": memory_report(stages, cluster.device_memory_bytes),
-            "communication": communication, "time": time}
+            "communication": communication, "time": time, "notes": notes}

@@ -20,7 +20,7 @@ stage's compute, and deeper pipelines only idle more::
     >>> m = ModelSpec(num_layers=16, hidden_size=1024, num_attention_heads=16,
     ...               seq_length=2048, vocab_size=32000)
     >>> ranked = suggest(Workload(model=m), world_size=16)["candidates"]
-    >>> [(c["tp"], c["cp"], c["dp"], c["pp"]) for c in ranked[:2]]
+    >>> sorted((c["tp"], c["cp"], c["dp"], c["pp"]) for c in ranked[:2])
     [(1, 1, 8, 2), (2, 1, 4, 2)]
     >>> [c["pp"] for c in ranked].index(8) > 10    # the old first choice, pp = 8
     True
@@ -38,6 +38,7 @@ from .constraints import violations
 from .errors import ModelError
 from .report import communicator_bytes
 from .memory import stage_rows
+from .runtime import what_runs
 from .spec import DEFAULT_DEVICES_PER_NODE, GIB, Workload
 from .steptime import step_time
 
@@ -107,17 +108,20 @@ def _closest(workload: Workload, best: dict, sizes: tuple, buffers: int) -> dict
     model, training, device = workload.model, workload.training, workload.cluster.device_memory_bytes
     stage = max(best["stages"], key=lambda s: s["total_bytes"])
     parts = ", ".join(f"{k.replace('_bytes', '')} {stage[k] / GIB:.1f}" for k in (
-        "weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "communicator_bytes"))
+        "weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "gathered_bytes",
+        "communicator_bytes") if stage.get(k) or k != "gathered_bytes")
     why = (f"stage {stage['stage']} needs {_gib(stage['total_bytes'])} ({parts} GiB) of "
            f"{_gib(device)}: {_gib(stage['total_bytes'] - device)} over")
     hints = []
     tries = []
-    if not training.distributed_optimizer and sizes[1] * sizes[3] > 1:
-        tries.append(("training.zero_stage: 1", replace(training, zero_stage=1)))
+    if sizes[1] * sizes[3] > 1:
+        for z in range(training.zero_stage + 1, 4):
+            tries.append((f"training.zero_stage: {z}", replace(training, zero_stage=z)))
     for mode in ("selective", "full")[("none", "selective", "full").index(training.recompute):]:
         tries.append((f"training.recompute: {mode}", replace(training, recompute=mode)))
     for label, other in tries:
-        peak = max(s["total_bytes"] for s in stage_rows(model, other, *sizes, buffers))
+        priced, runtime, _ = what_runs(other, *sizes)
+        peak = max(s["total_bytes"] for s in stage_rows(model, priced, *sizes, buffers, runtime))
         hints.append(f"{label} would need {_gib(peak)}")
     hints.append("or more devices, or devices with more memory (--device-memory-gb)")
     tp, cp, pp, dp = sizes
@@ -154,15 +158,25 @@ def interleaving_note(num_layers: int, v: int, world_size: int, fix: dict, rejec
             "layouts, which have no pipeline to interleave, are ranked." + hint)
 
 
-def _price(model, training, cluster, sizes: tuple, orders: list) -> tuple:
+def _general(notes: list) -> list:
+    """A candidate's notes without its sizes (``pp=4: ...`` -> ``pp > 1: ...``), so that the
+    summary says each behaviour once."""
+    out = []
+    for note in notes:
+        head, sep, rest = note.partition(": ")
+        out.append(f"pp > 1: {rest}" if sep and head.startswith("pp=") else note)
+    return out
+
+
+def _price(model, training, cluster, sizes: tuple, orders: list, runtime=None) -> tuple:
     """The fastest ``(order, comm, flags, timing)`` of one size and training over ``orders``.
 
     ``orders`` holds ``(order, crossing flags)`` pairs; the first wins ties.
     """
-    rows = traffic(model, training, *sizes)
+    rows = traffic(model, training, *sizes, runtime)
     best = None
     for order, flags in orders:
-        timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows)
+        timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime)
         if best is None or timing["step_time_s"] < best[2]["step_time_s"]:
             best = (order, flags, timing)
     order, flags, timing = best
@@ -171,7 +185,7 @@ def _price(model, training, cluster, sizes: tuple, orders: list) -> tuple:
 
 def suggest(workload: Workload, world_size: int, devices_per_node: int | None = None,
             top: int | None = None, buffsize_mb: int = DEFAULT_HCCL_BUFFSIZE_MB, fix: dict | None = None,
-            micro_batch_sizes=None, virtual_stages: int | None = None) -> dict:
+            micro_batch_sizes=None, virtual_stages: int | None = None, zero_stages=None) -> dict:
     """Rank the layouts of ``world_size`` devices that fit ``workload``, fastest step first.
 
     Args:
@@ -189,16 +203,20 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
             trains the same samples per step.
         virtual_stages: Model chunks per pipeline rank (the interleaved schedule);
             default the training's ``virtual_pipeline_stages``.
+        zero_stages: ZeRO stages to try (default: the training's ``zero_stage``); each
+            candidate keeps its fastest (ties: the lower peak memory, then the lower stage).
 
     Returns:
         ``{"world_size", "devices_per_node", "device_memory_bytes", "candidates": [{"tp",
-        "cp", "dp", "pp", "order", "micro_batch_size", "peak_bytes", "fits",
+        "cp", "dp", "pp", "order", "micro_batch_size", "zero_stage", "peak_bytes", "fits",
         "step_time_s", "breakdown", "tokens_per_s", "mfu", "est_time_s" (communication),
         "bottleneck", "cross_node": {"tp", "cp"}, "pipeline_bubble", "virtual_stages"},
         ...], "valid": count before ``top``, "rejected": {reason: count}, "closest": None
         or the lowest-memory size that breaks no constraint, with "why" and "hints",
         "notes": [lines worth telling the user, e.g. that virtual stages ruled out every
-        pipeline]}``. Candidates are best first.
+        pipeline, or how the library runs an option of the ranked layouts]}``. Each
+        candidate carries its own ``notes`` (:func:`~.runtime.what_runs`); the top-level
+        list holds each distinct note of the shown candidates once. Candidates are best first.
 
     Raises:
         ModelError: no model, bad ``fix`` or micro-batch sizes. LayoutError: a bad world
@@ -218,12 +236,20 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ModelError(f"micro-batch size {b!r} is invalid: expected positive integers, e.g. "
                              "--micro-batch-sizes 1,2,4.")
+    stages_z = list(dict.fromkeys(zero_stages if zero_stages is not None else [training.zero_stage]))
+    for z in stages_z:
+        if isinstance(z, bool) or z not in (0, 1, 2, 3):
+            raise ModelError(f"zero stage {z!r} is invalid: expected stages among 0, 1, 2, 3, e.g. "
+                             "--zero-stages 0,1,2,3.")
+    if not stages_z:
+        raise ModelError("no zero stage to try: expected stages among 0, 1, 2, 3, e.g. --zero-stages 0,1,2,3.")
     if virtual_stages is not None:
         training = replace(training, virtual_pipeline_stages=virtual_stages)
     gbs = training.global_batch_size
     if gbs is None and micro_batch_sizes:
         gbs = max(sizes_b) * world_size
-    trainings = [replace(training, micro_batch_size=b, global_batch_size=gbs) for b in sizes_b]
+    trainings = [replace(training, micro_batch_size=b, global_batch_size=gbs, zero_stage=z)
+                 for b in sizes_b for z in stages_z]
     device = cluster.device_memory_bytes
     candidates, rejected, lowest = [], {}, None
     pipeline_rejected = {}  # reasons the pp > 1 sizes were dropped, for the interleaving note
@@ -239,7 +265,8 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
                 continue
             if buffers is None:
                 buffers = communicator_bytes(layout, buffsize_mb)
-            stages = stage_rows(model, train, tp, cp, pp, dp, buffers)
+            priced, runtime, notes = what_runs(train, tp, cp, pp, dp)
+            stages = stage_rows(model, priced, tp, cp, pp, dp, buffers, runtime)
             peak = max(s["total_bytes"] for s in stages)
             if peak > device:
                 reason = MEMORY
@@ -250,9 +277,11 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
                 placements = distinct_orders(sizes) if layout.num_nodes > 1 else [layout.order]
                 orders = [(o, crossing_flags(replace(layout, order=o) if o != layout.order else layout))
                           for o in placements]
-            order, comm, flags, timing = _price(model, train, cluster, (tp, cp, pp, dp), orders)
-            if best is None or timing["step_time_s"] < best["step_time_s"]:
+            order, comm, flags, timing = _price(model, priced, cluster, (tp, cp, pp, dp), orders, runtime)
+            if best is None or (timing["step_time_s"], peak) < (best["step_time_s"], best["peak_bytes"]):
                 best = {**sizes, "order": order, "micro_batch_size": train.micro_batch_size,
+                        "zero_stage": train.zero_stage, "notes": notes,
+                        "stage_layers": [st["layers"] for st in stages],
                         "peak_bytes": peak, "fits": True,
                         "step_time_s": timing["step_time_s"], "breakdown": timing["breakdown"],
                         "tokens_per_s": timing["tokens_per_s"], "mfu": timing["mfu"],
@@ -267,7 +296,8 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
         else:
             candidates.append(best)
     candidates.sort(key=lambda c: (c["step_time_s"], c["peak_bytes"], c["pp"], c["cp"], c["tp"]))
-    notes = []
+    shown = candidates[:top] if top else candidates
+    notes = list(dict.fromkeys(note for c in shown for note in _general(c["notes"])))
     if training.virtual_pipeline_stages > 1 and candidates and all(c["pp"] == 1 for c in candidates):
         notes.append(interleaving_note(model.num_layers, training.virtual_pipeline_stages, world_size, fix,
                                        pipeline_rejected))
@@ -281,7 +311,8 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
         "device_memory_bytes": device,
         "fix": fix,
         "micro_batch_sizes": sizes_b,
-        "candidates": candidates[:top] if top else candidates,
+        "zero_stages": stages_z,
+        "candidates": shown,
         "valid": len(candidates),
         "rejected": rejected,
         "closest": closest,

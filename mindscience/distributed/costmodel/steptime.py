@@ -16,9 +16,10 @@ For the busiest pipeline stage of a layout (sources and derivations in docs/COST
   gradient backward on the critical path; the interleaved schedule moves every micro-batch
   across ``v`` times as many stage boundaries, so ``v`` times the transfers (Narayanan et
   al. 2021, sec. 2.2): ``2 * v * (m + p - 1)`` transfers (:func:`pipeline_transfers`).
-* **dp**: the dp-cp gradient reduction (reduce-scatter + all-gather with the distributed
-  optimizer); with ``overlap_grad_reduce`` only what exceeds the backward of the last
-  micro-batch is exposed.
+* **dp**: the dp-cp traffic of the ZeRO stage (:func:`~.comm.zero_traffic`); with
+  ``overlap_grad_reduce`` (stages 0-2) only what exceeds the backward of the last
+  micro-batch is exposed. ``plan``/``suggest`` price it exposed: the library reduces
+  after the backward (:mod:`.runtime`).
 
 ``step_time_s`` is the sum of the six exposed terms, so the breakdown adds up.
 ``mfu`` is the model's FLOPs per second (no recomputation) over ``world * peak``.
@@ -38,8 +39,8 @@ both layers: 24,576 FLOPs, 24.576 ns::
 
 from __future__ import annotations
 
-from .comm import traffic
-from .memory import BYTES, num_microbatches, pipeline_bubble
+from .comm import recompute_passes, traffic
+from .memory import BYTES, num_microbatches, pipeline_bubble, ring_attention
 from .params import mlp_fc1_width, rank_layers
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
@@ -82,22 +83,28 @@ def model_flops_per_sample(model: ModelSpec) -> int:
     return 3 * (model.num_layers * (layer["linear"] + layer["attention"]) + logits_forward_flops(model, s))
 
 
-def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int) -> dict:
+def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int,
+                     runtime=None) -> dict:
     """FLOPs one rank of the busiest stage runs per micro-batch: ``{"forward", "backward", "total", "stage"}``.
 
     The backward is twice the forward, plus what is recomputed before it: the layers'
-    forward (``full``) or their attention-score matmuls (``selective``). A rank's layers
-    follow the training's stage cut (all its chunks); the last stage adds the logits.
-    ``stage`` is the busiest pipeline rank (the later one on a tie).
+    forward (``full``, and the pipeline runtime's re-run of every chunk but the last
+    model stage, :func:`~.comm.recompute_passes`) or their attention-score matmuls
+    (``selective``, and always for the ring attention at ``cp > 1``, whose backward
+    rebuilds every block's probabilities). A rank's layers follow the training's stage
+    cut (all its chunks); the last stage adds the logits. ``stage`` is the busiest
+    pipeline rank (the later one on a tie).
     """
     b, s = training.micro_batch_size, model.seq_length
     layer = layer_forward_flops(model, b * s // cp, s)
     logits = logits_forward_flops(model, b * s // cp) / tp
+    scores_again = training.recompute == "selective" or ring_attention(training, cp)
     best = None
     for stage, layers in enumerate(rank_layers(model, training, pp)):
         forward = layers * (layer["linear"] + layer["attention"]) / tp
-        recomputed = {"none": 0, "selective": layers * layer["attention"] / tp,
-                      "full": forward}[training.recompute]
+        recomputed = recompute_passes(model, training, pp, stage, runtime) * forward
+        if scores_again and training.recompute != "full":
+            recomputed += layers * layer["attention"] / tp
         forward += logits if stage == pp - 1 else 0
         backward = 2 * forward + recomputed
         if best is None or forward + backward >= best["total"]:
@@ -137,7 +144,7 @@ def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> i
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp: int, cp: int, pp: int, dp: int,
-              crossing: dict | None = None, rows: list[dict] | None = None) -> dict:
+              crossing: dict | None = None, rows: list[dict] | None = None, runtime=None) -> dict:
     """The step time of one layout and its exposed breakdown.
 
     Args:
@@ -146,6 +153,8 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
         crossing: ``{group key: spans nodes}`` for ``tp``, ``cp``, ``pp`` and ``dp-cp``
             (from :func:`~.comm.crossing_flags`); missing keys stay inside a node.
         rows: :func:`~.comm.traffic` of these sizes, when the caller has it already.
+        runtime: :class:`~.runtime.Runtime` of :func:`~.runtime.what_runs` (None: no
+            pipeline re-run forward), for the compute and, without ``rows``, the traffic.
 
     Returns:
         ``{"step_time_s", "breakdown": {compute_s, bubble_s, tp_s, cp_s, pp_s, dp_s},
@@ -157,8 +166,8 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
     world = tp * cp * pp * dp
     m = num_microbatches(training, dp, world)
     v = training.virtual_pipeline_stages if pp > 1 else 1
-    rows = traffic(model, training, tp, cp, pp, dp) if rows is None else rows
-    flops = stage_slot_flops(model, training, tp, cp, pp)
+    rows = traffic(model, training, tp, cp, pp, dp, runtime) if rows is None else rows
+    flops = stage_slot_flops(model, training, tp, cp, pp, runtime)
     rate = cluster.effective_flops
     slot = flops["total"] / rate
     compute = m * slot
@@ -173,7 +182,8 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
         message = message * BYTES[training.precision]["activation"] // (tp if sp else 1)
         pp_s = pipeline_transfers(pp, m, v) * (latency + message / bandwidth)
     dp_reduce = collective_seconds(rows, "dp-cp", cluster, bool(crossing.get("dp-cp")))
-    hidden = flops["backward"] / rate if training.overlap_grad_reduce else 0.0
+    # ZeRO-3's gathers precede each forward: nothing of them hides behind the backward.
+    hidden = flops["backward"] / rate if training.overlap_grad_reduce and training.zero_stage < 3 else 0.0
     dp_s = max(0.0, dp_reduce - hidden)
     breakdown = {"compute_s": compute, "bubble_s": bubble, "tp_s": tp_s, "cp_s": cp_s, "pp_s": pp_s, "dp_s": dp_s}
     total = sum(breakdown.values())
