@@ -1,0 +1,80 @@
+"""The ONE 4-rank msrun job of test_optimizer.py (a launch costs 15-25 s before any check).
+
+The checks live next to the tests (tests/_optimizer_checks.py), imported by the workers
+through ``spec["modules"]`` with tests/ on their PYTHONPATH. Layouts are grouped so the
+parallel groups are re-created only when the layout changes: tp2 x dp2, then dp4, then
+pp2 x dp2 (1F1B; the embedding and the LM head tied).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+WORLD_SIZE = 4
+TIMEOUT_S = 420
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+_TP2 = {"tp": 2}
+_DP4 = {"tp": 1}
+_PP2 = {"tp": 1, "pp": 2}
+
+
+def _train(layout, **params):
+    return {"name": "optimizer.train", "params": {**layout, **params}}
+
+
+SPEC = {
+    "modules": ["_optimizer_checks"],
+    "checks": [
+        # tp2 x dp2: every stage eagerly, stages 1-2 compiled, bf16, clipping, Adam, SGD
+        _train(_TP2, stage=0),
+        _train(_TP2, stage=1),
+        _train(_TP2, stage=2),
+        _train(_TP2, stage=1, mode="jit"),
+        _train(_TP2, stage=2, mode="graph"),
+        _train(_TP2, stage=2, dtype="bfloat16"),
+        _train(_TP2, stage=1, clip=0.5),
+        _train(_TP2, stage=2, clip=0.5, mode="jit"),
+        _train(_TP2, stage=0, clip=0.5),
+        _train(_TP2, stage=2, kind="adam", bucket_size_mb=0.001),
+        _train(_TP2, stage=1, kind="sgd"),
+        {"name": "optimizer.errors", "params": _TP2},
+        # dp4: padding on every rank count (rows 18, 25, 50 over 4)
+        _train(_DP4, stage=0),
+        _train(_DP4, stage=1),
+        _train(_DP4, stage=2),
+        _train(_DP4, stage=2, mode="jit"),
+        # pp2 x dp2, 1F1B, tied embedding
+        _train(_PP2, stage=0),
+        _train(_PP2, stage=1),
+        _train(_PP2, stage=2, clip=0.5),
+    ],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def run_job(spec_key: str = "full"):
+    """Launch the battery once per session; returns the harness LaunchResult."""
+    from mindscience.distributed.harness import launch
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)}
+    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=env)
+
+
+def describe_failures(result) -> str:
+    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
+    for failure in result.failures:
+        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
+        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-25:])
+    return "\n".join(lines)
+
+
+def records_of(result, check: str) -> list:
+    """Every rank's records of ``check``."""
+    out = []
+    for _, state in sorted(result.ranks.items()):
+        for record in (state or {}).get("records", []):
+            if record.get("check") == check:
+                out.append(record)
+    return out
