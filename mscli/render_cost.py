@@ -47,32 +47,39 @@ def memory_table(estimate: dict, show_all: bool = False) -> Table:
     title = (f"memory per rank: {model['name']} ({human_count(model['parameters'])} parameters), "
              f"{training['precision']}, recompute {training['recompute']}, "
              f"{'' if training['sequence_parallel'] else 'no '}sequence parallel, "
-             f"{'distributed' if training['distributed_optimizer'] else 'replicated'} optimizer, "
+             f"ZeRO stage {training.get('zero_stage', 1 if training['distributed_optimizer'] else 0)}, "
              f"{model['num_microbatches']} micro-batches/step; device {human_bytes(device)}")
     table = Table(title=title, title_justify="left", caption_justify="left", show_edge=False, pad_edge=False)
+    gathered = any(s.get("gathered_bytes") for s in memory["stages"])
     for column in ("stage", "layers", "params", "weights", "grads", "optimizer", "activations",
-                   "comm buffers", "total", "fits"):
+                   *(("gathered",) if gathered else ()), "comm buffers", "total", "fits"):
         table.add_column(column, justify="left" if column == "fits" else "right", no_wrap=True)
+    kinds = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+             *(("gathered_bytes",) if gathered else ()), "communicator_bytes", "total_bytes")
     first, hidden, last = _elided(memory["stages"], HEAD_ROWS // 2, show_all)
 
     def add(s):
         table.add_row(
             str(s["stage"]), str(s["layers"]), human_count(s["parameters"]),
-            *(human_bytes(s[k]) for k in ("weights_bytes", "gradients_bytes", "optimizer_bytes",
-                                          "activations_bytes", "communicator_bytes", "total_bytes")),
+            *(human_bytes(s[k]) for k in kinds),
             _fits(s["total_bytes"] <= device),
         )
 
     for stage in first:
         add(stage)
     if hidden:
-        table.add_row("...", f"{hidden} more stages (use --all)", *[""] * 8, style="dim")
+        table.add_row("...", f"{hidden} more stages (use --all)", *[""] * (len(kinds) + 2), style="dim")
     for stage in last:
         add(stage)
     verdict = "fits" if memory["fits"] else "does NOT fit"
+    runtime = model.get("runtime") or {}
+    how = ("the pipeline runtime's stage inputs in flight + one micro-batch of a stage"
+           if runtime.get("stage_recompute") else "Korthikanti et al. 2022 with 1F1B micro-batches in flight")
     table.caption = (f"peak {human_bytes(memory['peak_bytes'])} per rank {verdict} in "
-                     f"{human_bytes(device)}; activations: Korthikanti et al. 2022 with 1F1B "
-                     "micro-batches in flight (docs/COST_MODEL.md)")
+                     f"{human_bytes(device)}; weights/grads/optimizer: bytes per parameter of the ZeRO stage "
+                     f"(padded shards); activations: {how}"
+                     f"{'; gathered: ZeRO-3 weights gathered for a micro-batch' if gathered else ''} "
+                     "(docs/COST_MODEL.md)")
     return table
 
 
@@ -179,7 +186,9 @@ def render_suggest(result: dict, model_name: str) -> None:
              f"{result['valid']} layout(s) fit, best {len(candidates)} shown")
     table = Table(title=title, title_justify="left", caption_justify="left", show_edge=False, pad_edge=False)
     show_mbs = len(result.get("micro_batch_sizes") or ()) > 1
-    columns = ["#", "tp", "cp", "dp", "pp", "order"] + (["mbs"] if show_mbs else []) + [
+    show_zero = len(result.get("zero_stages") or ()) > 1
+    columns = ["#", "tp", "cp", "dp", "pp", "order"] + (["mbs"] if show_mbs else []) + (
+        ["zero"] if show_zero else []) + [
         "step time", "tokens/s", "MFU", "bubble", "peak mem", "bottleneck", "crossing"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("order", "bottleneck", "crossing")
@@ -188,6 +197,7 @@ def render_suggest(result: dict, model_name: str) -> None:
         crossing = [k for k in ("tp", "cp") if c["cross_node"][k]]
         table.add_row(str(i), str(c["tp"]), str(c["cp"]), str(c["dp"]), str(c["pp"]), c["order"],
                       *([str(c["micro_batch_size"])] if show_mbs else []),
+                      *([str(c["zero_stage"])] if show_zero else []),
                       human_seconds(c["step_time_s"]), human_rate(c["tokens_per_s"]), f"{c['mfu']:.1%}",
                       f"{c['pipeline_bubble']:.1%}", human_bytes(c["peak_bytes"]), c["bottleneck"] or "-",
                       Text(", ".join(crossing), style="yellow") if crossing else "-")

@@ -52,10 +52,13 @@ def schedule_view(data: dict) -> list:
         f"{sched['bubble_fraction']:.1%} of stage time, idle/compute "
         f"{sched['bubble_ratio']:.3f} vs (p-1)/(v m) = {sched['theoretical_bubble_ratio']:.3f}")
     table = Table(show_edge=False, pad_edge=False)
-    for col in ("stage", "steps", "idle", "peak in flight"):
+    layers = sched.get("stage_layers")  # with a model: layers per model stage (chunk c of rank r: c*p + r)
+    p = sched["stages"]
+    for col in ("stage", "steps", "idle", "peak in flight") + (("layers",) if layers else ()):
         table.add_column(col, justify="right")
-    for r in range(sched["stages"]):
+    for r in range(p):
+        mine = [str(layers[k]) for k in range(r, len(layers), p)] if layers else []
         table.add_row(str(r), str(len(sched["actions"][r])), f"{sched['idle_fraction'][r]:.1%}",
-                      str(sched["peak_in_flight"][r]))
+                      str(sched["peak_in_flight"][r]), *(["+".join(mine)] if layers else []))
     out.append(Group(head, timeline_text(sched), table))
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Optional
 
 import typer
@@ -144,6 +145,34 @@ def _pipeline_data(data, spec, schedule, microbatches, virtual_stages, workload=
         data["schedule"] = schedule_data(spec.pp, schedule, microbatches, virtual_stages)
     except ScheduleError as err:
         raise UsageError(f"--schedule: {err}") from None
+    if workload is not None:
+        _stage_layers(data, workload, spec.pp, virtual_stages)
+
+
+def _stage_layers(data, workload, pp: int, virtual_stages: int) -> None:
+    """The model's layers per model stage beside the schedule, and a note when they differ.
+
+    The timeline's durations are the same for every stage (a forward 1 unit, a backward
+    2); with unequal stages a stage's actions really take its layers / the mean as long.
+    """
+    from dataclasses import replace
+
+    from mindscience.distributed.costmodel.errors import ModelConstraintError
+    from mindscience.distributed.costmodel.params import model_stage_layers
+
+    training = replace(workload.training, virtual_pipeline_stages=virtual_stages)
+    try:
+        layers = model_stage_layers(workload.model, training, pp)
+    except ModelConstraintError:
+        return  # the estimate above already reported the constraint
+    data["schedule"]["stage_layers"] = layers
+    if len(set(layers)) > 1:
+        mean = sum(layers) / len(layers)
+        busiest = max(range(len(layers)), key=lambda k: layers[k])
+        data.setdefault("notes", []).append(
+            f"--schedule: the model stages hold unequal layers {layers}; the timeline draws every action "
+            f"with the same duration, while model stage k's take layers[k] / {mean:g} as long: model stage "
+            f"{busiest} ({layers[busiest]} layers) paces the pipeline, as the step time prices it.")
 
 
 def plan(
@@ -231,3 +260,5 @@ def plan(
             pictures.save_plan(*picture)
     if not echo:
         render.print_json(data)
+    for note in data.get("notes", []):  # stderr in both formats: stdout may hold only JSON
+        sys.stderr.write(f"msdist: note: {note}\n")

@@ -58,6 +58,24 @@ def parse_sizes(text: Optional[str]) -> Optional[list]:
     return sizes
 
 
+def parse_zero_stages(text: Optional[str]) -> Optional[list]:
+    """``"0,1,2,3"`` -> ``[0, 1, 2, 3]`` (None without the option).
+
+    Raises:
+        UsageError: not integers, or a stage outside 0-3.
+    """
+    if text is None:
+        return None
+    try:
+        stages = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        stages = []
+    if not stages or any(z not in (0, 1, 2, 3) for z in stages):
+        raise UsageError(f"--zero-stages {text!r} is invalid: expected ZeRO stages among 0, 1, 2, 3 joined by "
+                         "commas, e.g. 0,1,2,3.")
+    return stages
+
+
 def _best_layout(result: dict, workload, backend: str) -> str:
     """The text of a layout file for the best candidate, with the workload's sections."""
     from mindscience.distributed.costmodel.spec import workload_sections
@@ -65,7 +83,7 @@ def _best_layout(result: dict, workload, backend: str) -> str:
 
     best = result["candidates"][0]
     training = replace(workload.training, micro_batch_size=best["micro_batch_size"],
-                       virtual_pipeline_stages=best["virtual_stages"],
+                       virtual_pipeline_stages=best["virtual_stages"], zero_stage=best["zero_stage"],
                        global_batch_size=best["micro_batch_size"] * best["dp"] * best["microbatches"])
     workload = replace(workload, training=training)
     name = f"{workload.model.name}-tp{best['tp']}-cp{best['cp']}-dp{best['dp']}-pp{best['pp']}"
@@ -105,6 +123,10 @@ def suggest(
         "fastest; without a global_batch_size every layout trains max(sizes) x world samples per step)."),
     virtual_stages: Optional[int] = typer.Option(
         None, "--virtual-stages", help="Price the interleaved 1F1B schedule with V model chunks per pipeline rank."),
+    zero_stages: Optional[str] = typer.Option(
+        None, "--zero-stages", help="Search these ZeRO stages too, e.g. 0,1,2,3 (0 replicated, 1 optimizer state, "
+        "2 + gradients, 3 + weights sharded over dp-cp; each layout keeps its fastest, ties to the lower memory; "
+        "default: the model file's training.zero_stage)."),
     calibrate: Optional[str] = typer.Option(
         None, "--calibrate", help="A `msdist verify --format json` report: take compute TFLOP/s, bandwidths and "
         "latencies from it (what it lacks stays as configured; the output says which came from where)."),
@@ -133,11 +155,11 @@ def suggest(
             check_output_file("--write", write)
         if virtual_stages is not None and virtual_stages < 1:
             raise UsageError(f"--virtual-stages {virtual_stages} is invalid: expected at least 1.")
-        pinned, sizes = parse_fix(fix), parse_sizes(micro_batch_sizes)
+        pinned, sizes, stages = parse_fix(fix), parse_sizes(micro_batch_sizes), parse_zero_stages(zero_stages)
         workload = load_workload(resolve_model(model))
         workload, sources = apply_cluster(workload, device, device_memory_gb, calibrate)
         result = search(workload, world, devices_per_node, top, hccl_buffsize(None), fix=pinned,
-                        micro_batch_sizes=sizes, virtual_stages=virtual_stages)
+                        micro_batch_sizes=sizes, virtual_stages=virtual_stages, zero_stages=stages)
         result["cluster"] = asdict(workload.cluster)
         result["cluster_sources"] = sources
     if fmt == "json":

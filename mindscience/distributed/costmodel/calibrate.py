@@ -16,6 +16,11 @@ cost model's cluster values:
 What the report lacks (say no group crossed nodes) stays as configured, and
 :func:`cluster_sources` says where every value came from.
 
+A ``msdist train`` report (``measured.step_time_s`` beside ``predicted.step_time_s``) is
+accepted too (:func:`calibrate_from_training`): the compute rate it implies is the
+predicted one scaled by ``predicted / measured`` step time, i.e. the whole difference
+is put on the compute; the bandwidths stay as configured.
+
 Example:
     >>> from mindscience.distributed.costmodel.spec import ClusterSpec
     >>> report = {"compute": {"tflops": 0.15, "dtype": "float32", "shape": [1024, 1024, 1024]},
@@ -78,10 +83,94 @@ def read_report(path: str | os.PathLike) -> dict:
     except (OSError, ValueError) as err:
         raise ModelFileError(f"{path}: not a JSON verify report ({err}): pass the file `msdist verify "
                              "-o report.json` wrote.", path) from None
+    if is_training_report(report):
+        return report
     if not isinstance(report, dict) or not (report.get("compute") or report.get("bandwidth")):
-        raise ModelFileError(f"{path}: holds neither 'compute' nor 'bandwidth' results: run `msdist verify` "
-                             "with its bandwidth checks (the default) and pass its JSON report.", path)
+        raise ModelFileError(f"{path}: holds neither 'compute' nor 'bandwidth' results nor a training run's "
+                             "'measured' and 'predicted' step times: pass the JSON report of `msdist verify "
+                             "--format json -o report.json` or of `msdist train`.", path)
     return report
+
+
+def is_training_report(report) -> bool:
+    """A ``msdist train`` report: ``measured`` and ``predicted`` objects (see :func:`calibrate_from_training`)."""
+    return isinstance(report, dict) and isinstance(report.get("measured"), dict) \
+        and isinstance(report.get("predicted"), dict)
+
+
+TRAIN_HINT = "pass the JSON report `msdist train` wrote"
+
+
+def check_training_report(report: dict, source: str) -> None:
+    """Check what :func:`calibrate_from_training` reads; the first bad field raises.
+
+    ``measured.step_time_s`` and ``predicted.step_time_s`` must be finite numbers > 0;
+    ``cluster`` (optional) an object whose ``peak_tflops`` and ``compute_efficiency`` are
+    finite numbers > 0; ``steps`` (optional) a list.
+
+    Raises:
+        ModelFileError: naming ``source`` and the field, e.g. ``measured.step_time_s``.
+    """
+    def bad(field: str, value, expected: str):
+        shown = "missing" if value is _MISSING else f"{value!r} ({type(value).__name__})"
+        raise ModelFileError(f"{source}: {field} is {shown}: expected {expected}; {TRAIN_HINT}.", source, field)
+
+    for part in ("measured", "predicted"):
+        value = report[part].get("step_time_s", _MISSING)
+        if not is_finite_number(value) or value <= 0:
+            bad(f"{part}.step_time_s", value, "a step time, a finite number of seconds > 0")
+    cluster = report.get("cluster")
+    if cluster is not None:
+        if not isinstance(cluster, dict):
+            bad("cluster", cluster, "an object {peak_tflops, compute_efficiency, ...}")
+        for key in ("peak_tflops", "compute_efficiency"):
+            value = cluster.get(key, _MISSING)
+            if not is_finite_number(value) or value <= 0:
+                bad(f"cluster.{key}", value, "a finite number > 0")
+    steps = report.get("steps")
+    if steps is not None and not isinstance(steps, list):
+        bad("steps", steps, "a list of step rows")
+
+
+def calibrate_from_training(cluster: ClusterSpec, report: dict, source: str,
+                            sources: dict | None = None) -> tuple[ClusterSpec, dict]:
+    """``cluster`` with the compute rate a training run implies, and the updated ``sources``.
+
+    ``ratio = measured.step_time_s / predicted.step_time_s``; the predicted compute time
+    scaled by it gives the rate ``predicted rate / ratio``. The predicted rate is
+    ``peak_tflops * compute_efficiency`` of the report's ``cluster`` (what the run's
+    estimate used), else of ``cluster`` (the run was predicted with these values). The
+    peak stays (the MFU denominator) and the efficiency becomes ``rate / peak``; a rate
+    above the peak raises the peak (efficiency 1). Bandwidths and latencies stay.
+
+    Example: predicted 2 s, measured 4 s on a 1 TFLOP/s x 0.5 cluster: 0.25 TFLOP/s.
+
+        >>> run = {"measured": {"step_time_s": 4.0}, "predicted": {"step_time_s": 2.0}}
+        >>> c, src = calibrate_from_training(ClusterSpec(peak_tflops=1, compute_efficiency=0.5), run, "r.json")
+        >>> c.compute_efficiency, src["compute_efficiency"]
+        (0.25, 'r.json: training run, measured/predicted step 4/2 s: 0.25 TFLOP/s / peak')
+
+    Raises:
+        ModelFileError: a malformed report (:func:`check_training_report`).
+    """
+    check_training_report(report, source)
+    sources = dict(sources or cluster_sources(cluster))
+    used = report.get("cluster") or cluster.__dict__
+    predicted_rate = used["peak_tflops"] * used["compute_efficiency"]
+    measured, predicted = report["measured"]["step_time_s"], report["predicted"]["step_time_s"]
+    rate = predicted_rate * predicted / measured
+    what = f"{source}: training run, measured/predicted step {measured:.4g}/{predicted:.4g} s: {rate:.4g} TFLOP/s"
+    if rate <= cluster.peak_tflops:
+        values = {"compute_efficiency": rate / cluster.peak_tflops}
+        sources["compute_efficiency"] = f"{what} / peak"
+    else:
+        values = {"peak_tflops": float(rate), "compute_efficiency": 1.0}
+        sources["peak_tflops"] = f"{what} (above the configured peak)"
+        sources["compute_efficiency"] = f"{what}: 1 of the measured peak"
+    try:
+        return replace(cluster, **values), sources
+    except ModelError as err:
+        raise ModelFileError(f"{source}: {err}", source) from None
 
 
 REPORT_HINT = "pass the JSON report `msdist verify --format json -o report.json` wrote"
@@ -165,6 +254,8 @@ def calibrate(cluster: ClusterSpec, report: dict, source: str,
     Raises:
         ModelFileError: a malformed report (:func:`check_report`), naming ``source``.
     """
+    if is_training_report(report):
+        return calibrate_from_training(cluster, report, source, sources)
     check_report(report, source)
     sources = dict(sources or cluster_sources(cluster))
     values = {}

@@ -129,18 +129,20 @@ def cp_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, passes: 
 
 
 def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
-            runtime=None) -> list[dict]:
+            runtime=None, stage: int | None = None) -> list[dict]:
     """Rows ``{group, op, group_size, count, message_bytes, bytes}`` for the busiest rank.
 
     Layout-order independent: where ranks sit (and so which link carries them) is added
     by :func:`timed`. ``runtime`` (:func:`~.runtime.what_runs`) adds the pipeline
-    runtime's re-run forwards.
+    runtime's re-run forwards. ``stage``: the pipeline rank whose tp/cp traffic is
+    counted (default: the one with the most layers; ``step_time`` passes the rank with
+    the most compute, :func:`~.steptime.stage_slot_flops`).
     """
     h, b = model.hidden_size, training.micro_batch_size
     nbytes = BYTES[training.precision]
     local = model.seq_length // cp
     microbatches = num_microbatches(training, dp, tp * cp * pp * dp)
-    stage = busiest_stage(model, training, pp)
+    stage = busiest_stage(model, training, pp) if stage is None else stage
     passes = rank_layers(model, training, pp)[stage] * microbatches  # layer passes per step
     again = recompute_passes(model, training, pp, stage, runtime)
     sp = training.sequence_parallel and tp > 1

@@ -27,7 +27,7 @@ from .runtime import what_runs
 from .spec import Workload
 
 ARCHITECTURE = ("normalization", "activation", "position_embedding", "tie_embeddings", "bias", "dropout")
-from .steptime import step_time
+from .steptime import stage_slot_flops, step_time
 
 MIB = 1024**2
 
@@ -69,7 +69,8 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
     configured = training
     training, runtime, notes = what_runs(training, *sizes)
     stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb), runtime)
-    rows, flags = traffic(model, training, *sizes, runtime), crossing_flags(layout)
+    busiest = stage_slot_flops(model, training, layout.tp, layout.cp, layout.pp, runtime)["stage"]
+    rows, flags = traffic(model, training, *sizes, runtime, busiest), crossing_flags(layout)
     communication = timed(rows, flags, cluster)
     timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime)
     microbatches = num_microbatches(training, layout.dp, layout.world_size)

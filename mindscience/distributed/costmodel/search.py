@@ -40,7 +40,7 @@ from .report import communicator_bytes
 from .memory import stage_rows
 from .runtime import what_runs
 from .spec import DEFAULT_DEVICES_PER_NODE, GIB, Workload
-from .steptime import step_time
+from .steptime import stage_slot_flops, step_time
 
 MEMORY = "does not fit device memory"
 AXES = ("tp", "cp", "dp", "pp")
@@ -173,7 +173,8 @@ def _price(model, training, cluster, sizes: tuple, orders: list, runtime=None) -
 
     ``orders`` holds ``(order, crossing flags)`` pairs; the first wins ties.
     """
-    rows = traffic(model, training, *sizes, runtime)
+    busiest = stage_slot_flops(model, training, *sizes[:3], runtime)["stage"]
+    rows = traffic(model, training, *sizes, runtime, busiest)
     best = None
     for order, flags in orders:
         timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime)

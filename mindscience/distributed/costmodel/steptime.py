@@ -166,8 +166,8 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
     world = tp * cp * pp * dp
     m = num_microbatches(training, dp, world)
     v = training.virtual_pipeline_stages if pp > 1 else 1
-    rows = traffic(model, training, tp, cp, pp, dp, runtime) if rows is None else rows
     flops = stage_slot_flops(model, training, tp, cp, pp, runtime)
+    rows = traffic(model, training, tp, cp, pp, dp, runtime, flops["stage"]) if rows is None else rows
     rate = cluster.effective_flops
     slot = flops["total"] / rate
     compute = m * slot
