@@ -51,13 +51,12 @@ class Match:
 
 
 def _type_name(cell) -> str:
+    """The public path of the cell's class (``mindspore.nn.LayerNorm``), else its module's."""
     cls = type(cell)
-    module = cls.__module__
-    for public, types in (("mindspore.nn", (nn.Dense, nn.Embedding)),
-                          ("mindspore.mint.nn", (mint.nn.Linear, mint.nn.Embedding))):
-        if cls in types:
-            module = public
-    return f"{module}.{cls.__qualname__}"
+    for public, namespace in (("mindspore.nn", nn), ("mindspore.mint.nn", mint.nn)):
+        if getattr(namespace, cls.__name__, None) is cls:
+            return f"{public}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def linear_shape(cell) -> tuple:

@@ -1,0 +1,69 @@
+"""The ONE 4-rank msrun job of test_parallelize.py (a launch costs ~20 s before any check).
+
+Checks (``_parallelize_checks.py``, imported by the ranks through the spec's "modules"):
+parity with the dense model at tp2 x dp2 and at tp4, with and without sequence
+parallelism (tp4 with it under ``ms.jit``); a checkpoint saved at tp2 x dp2 for the parent
+to load into the dense model; ``examples/parallelize_dense.py`` at tp2 x dp2.
+The result is cached for the pytest session.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+WORLD_SIZE = 4
+# Measured on the shared 2-core machine: see test_parallelize.py's job test.
+TIMEOUT_S = 240
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES_DIR = os.path.join(os.path.dirname(TESTS_DIR), "examples")
+
+PARITY_CASES = [  # (tp, sequence_parallel, mode), in run order (tp2 first: one reinit)
+    (2, False, "pynative"), (2, True, "pynative"), (4, False, "pynative"), (4, True, "jit"),
+]
+
+
+EXAMPLE_STEPS = 3
+
+
+def spec(directory: str) -> dict:
+    checks = [{"name": "parallelize.checkpoint",
+               "params": {"tp": 2, "directory": os.path.join(directory, "tp2")}},
+              {"name": "parallelize.example", "params": {"tp": 2, "steps": EXAMPLE_STEPS}}]
+    checks[1:1] = [{"name": "parallelize.parity",
+                    "params": {"tp": tp, "sequence_parallel": sp, "mode": mode}}
+                   for tp, sp, mode in PARITY_CASES if tp == 2]
+    checks += [{"name": "parallelize.parity", "params": {"tp": tp, "sequence_parallel": sp, "mode": mode}}
+               for tp, sp, mode in PARITY_CASES if tp == 4]
+    return {"checks": checks, "modules": ["_parallelize_checks"]}
+
+
+@functools.lru_cache(maxsize=None)
+def run_job():
+    """Launch the battery once per session: ``(LaunchResult, folder)``; the checkpoint
+    saved at tp2 x dp2 is ``folder/tp2``."""
+    from mindscience.distributed.harness import launch
+
+    directory = tempfile.mkdtemp(prefix="msdist_parallelize_")
+    env = {"PYTHONPATH": os.pathsep.join([TESTS_DIR, EXAMPLES_DIR, os.environ.get("PYTHONPATH", "")])}
+    return launch(spec(directory), WORLD_SIZE, timeout=TIMEOUT_S, env=env), directory
+
+
+def describe_failures(result) -> str:
+    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
+    for failure in result.failures:
+        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
+        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-15:])
+    return "\n".join(lines)
+
+
+def records_of(result, check: str) -> list:
+    """Every rank's records of ``check``, each with its rank."""
+    out = []
+    for rank, state in sorted(result.ranks.items()):
+        for record in (state or {}).get("records", []):
+            if record.get("check") == check:
+                out.append({**record, "rank": rank})
+    return out
