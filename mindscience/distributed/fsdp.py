@@ -150,6 +150,7 @@ def _gather_class():
             self.dtype = dtype
             self.low = dtype == mstype.bfloat16
             self.slice = ops.StridedSlice()
+            self.reshard = bool(info.reshard_after_forward)
 
         def _first_rows(self, x):
             if self.pad == 0:
@@ -226,7 +227,14 @@ def _make_property(attr):
 
     def get(self):
         if compiling():
-            return getattr(self, graph_key)(getattr(self, shard_key))
+            gather = getattr(self, graph_key)
+            if gather.reshard:
+                raise ValueError(
+                    "fully_shard(reshard_after_forward=True) runs in PyNative only: in ms.jit "
+                    "and GRAPH_MODE the recomputed all-gathers of a group are not ordered "
+                    "alike on every rank. Shard with reshard_after_forward=False for compiled code."
+                )
+            return gather(getattr(self, shard_key))
         return _eager_value(self, attr)
 
     get.__name__ = attr
@@ -477,13 +485,20 @@ def _install(sub, attrs, g):
 
 
 def _recompute(sub):
-    sub.recompute()
-    # PyNative: the recompute re-runs the cell's construct from its backward, outside any
-    # __call__; make that run read the gathered weights too.
-    rc = getattr(sub, "_recompute_cell", None)
-    wrap = getattr(rc, "wrap_cell", None)
-    if wrap is not None and hasattr(wrap, "function"):
-        wrap.function = _Active(wrap.function)
+    """PyNative recompute of ``sub`` (what ``Cell.recompute()`` sets up for PyNative).
+
+    Not ``Cell.recompute()`` itself: its graph flag also recomputes the cell under ms.jit
+    and GRAPH_MODE, where the re-run all-gathers and the reduce-scatters of a group were
+    scheduled in a different order on different ranks (measured: wrong gradients at dp4,
+    every parameter). Compiled code refuses reshard_after_forward instead (see the getter).
+    """
+    from mindspore.common._register_for_recompute import recompute_registry
+
+    rc = recompute_registry.get()(sub.construct, True, False, True, None)
+    # The recompute re-runs construct from the backward, outside any __call__: make that
+    # run read the gathered weights too.
+    rc.wrap_cell.function = _Active(rc.wrap_cell.function)
+    sub._recompute_cell = rc
 
 
 # --------------------------------------------------------------------------- arithmetic
