@@ -40,6 +40,12 @@ def gpt(layers, hidden, heads, seq=2048, vocab=51200, **kw):
 # metric "mfu": model FLOPs utilisation; "tflops_hw": Narayanan's Eq. 3 FLOPs (with the
 # recomputed forward) per second and GPU; "tflops": model FLOPs per second and GPU.
 KORTHIKANTI = dict(sequence_parallel=True, recompute="selective")
+LLAMA3 = gpt(126, 16384, 128, seq=8192, vocab=128256, num_query_groups=8, ffn_hidden_size=53248,
+             normalization="rmsnorm", activation="swiglu", position_embedding="rope", tie_embeddings=False,
+             bias=False)
+LLAMA3_TRAINING = dict(sequence_parallel=True, recompute="none", zero_stage=3,
+                       account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+BLOOM = gpt(70, 14336, 112, vocab=250880, position_embedding="rope")  # ALiBi: no position parameters
 NARAYANAN = dict(sequence_parallel=False, recompute="full")
 RUNS = [
     ("22B, 8 A100", gpt(48, 6144, 64), (8, 1, 1, 1), dict(micro_batch_size=4, global_batch_size=4, **KORTHIKANTI),
@@ -67,16 +73,19 @@ RUNS = [
      "N21 Table 1"),
     ("1T, 3072 A100", gpt(128, 25600, 160), (8, 1, 64, 6), dict(global_batch_size=3072, **NARAYANAN),
      "a100-80gb", 163, "tflops_hw", "N21 Table 1"),
-    # Llama 3 405B: GQA (8 k/v heads), SwiGLU 53,248 wide = a 2-matrix MLP of 1.5 x 53,248 parameters;
-    # 126 layers on 16 stages (the first and last hold one fewer): 128 layer slots, 8 on the busiest stage.
-    ("Llama 3 405B, 8192 H100", gpt(128, 16384, 128, seq=8192, vocab=128256, num_query_groups=8,
-                                    ffn_hidden_size=79872), (8, 1, 16, 64),
-     dict(global_batch_size=2048, sequence_parallel=True, recompute="none", distributed_optimizer=True),
+    # Llama 3 405B: GQA (8 k/v heads), RMSNorm, SwiGLU 53,248 wide, RoPE, untied, no biases; 126 layers on
+    # 16 stages with the embedding and the loss counted as layers (7, 8 x 14, 7); FSDP-style sharding of
+    # weights, gradients and optimizer state over dp (zero_stage 3).
+    ("Llama 3 405B, 8192 H100", LLAMA3, (8, 1, 16, 64), dict(global_batch_size=2048, **LLAMA3_TRAINING),
      "h100-80gb", 430, "tflops", "Llama 3 Table 4"),
-    ("Llama 3 405B, 16384 H100", gpt(128, 16384, 128, seq=8192, vocab=128256, num_query_groups=8,
-                                     ffn_hidden_size=79872), (8, 1, 16, 128),
-     dict(global_batch_size=2048, sequence_parallel=True, recompute="none", distributed_optimizer=True),
+    ("Llama 3 405B, 16384 H100", LLAMA3, (8, 1, 16, 128), dict(global_batch_size=2048, **LLAMA3_TRAINING),
      "h100-80gb", 400, "tflops", "Llama 3 Table 4"),
+    # BLOOM 176B: 70 layers on 12 stages, embedding and loss counted (5, 6 x 10, 5); ALiBi (no position
+    # parameters), GeLU, tied; ZeRO-1; micro-batch 2 of 2,048 sequences; ~150 TFLOP/s per A100.
+    ("BLOOM 176B, 384 A100", BLOOM, (4, 1, 12, 8),
+     dict(micro_batch_size=2, global_batch_size=2048, sequence_parallel=False, recompute="full", zero_stage=1,
+          account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
+     "a100-80gb", 150, "tflops_hw", "BigScience model card"),
 ]
 
 
