@@ -23,6 +23,7 @@ from .manifest import CheckpointReader
 from .plan import (global_shape_from_local, layer_index, local_shape, piece_for, rename_layers,
                    writes)
 from .writer import LAYOUT_KEYS, finish, prepare, write_rank
+from . import zero
 
 __all__ = ["save", "load", "set_global_layer_names", "named_parameters", "layer_prefixes"]
 
@@ -133,9 +134,11 @@ def _entries(cell) -> list:
     """
     offsets = getattr(cell, _OFFSET_ATTR, {}) or {}
     bases, problems = _optimizer_bases(cell)
+    infos, transient, _ = zero.discover(cell)
+    bases.update({k: info.base for k, info in infos.items() if info.base is not None})
     out, seen, index = [], set(), {}
     for name, param in cell.parameters_and_names():
-        if id(param) in seen:
+        if id(param) in seen or id(param) in transient:
             continue
         seen.add(id(param))
         for prefix, offset in offsets.items():
@@ -230,6 +233,42 @@ def _to_tensor(array: np.ndarray, tag: str, param) -> ms.Tensor:
     return ms.Tensor(np.require(array, requirements="C")).astype(param.dtype)
 
 
+def _tag(param) -> str:
+    """The safetensors dtype tag of a parameter."""
+    if param.dtype == ms.bfloat16:
+        return "BF16"
+    return st_dtype_of(np.zeros(0, ms.dtype_to_nptype(param.dtype)))
+
+
+def _fill_sharded(items: list, shards: list) -> None:
+    """Put the unsharded value of each dim-0 sharded tensor (``shards``: ``(index in
+    items or None, ShardInfo, Parameter)``, the same order on every rank of a group) in
+    its item. 16-bit floats travel as float32 (exact; CPU gathers of them are not
+    assumed), and bfloat16 goes back to its bits."""
+    gathered = zero.gather_full([(info, _gather_numpy(param)) for _, info, param in shards])
+    for (at, _, param), full in zip(shards, gathered):
+        if at is None:
+            continue
+        name, tag, gshape, sharding, piece, _ = items[at]
+        if tag == "BF16":
+            full = (np.asarray(full, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        else:
+            full = full.astype(ms.dtype_to_nptype(param.dtype), copy=False)
+        items[at] = (name, tag, gshape, sharding, piece, np.require(full, requirements="C"))
+
+
+def _gather_numpy(param) -> np.ndarray:
+    if param.dtype in (ms.bfloat16, ms.float16):
+        return param.astype(ms.float32).asnumpy()
+    return param.asnumpy()
+
+
+def _optimizer_records(cell, records: list) -> list:
+    """What the cell's optimizers are, for the manifest: the DistributedOptimizers'
+    records (:func:`.zero.discover`), then the class of every other optimizer."""
+    return records + [{"class": type(opt).__name__} for _, opt, _ in _optimizer_cells(cell)]
+
+
 def _layout_dict(layout: Layout) -> dict:
     return {k: v for k, v in layout.to_dict().items() if k in LAYOUT_KEYS}
 
@@ -303,17 +342,27 @@ def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] =
 
     layout, rank = _world()
     directory = str(directory)
-    error, items, meta = None, [], {}
+    error, items, meta, shards, records = None, [], {}, [], []
     try:
         step = _check_step(step)
         _check_extra(extra)
         prefixes = layer_prefixes(cell)
+        infos, _, records = zero.discover(cell)
+        records = _optimizer_records(cell, records)
         for name, param, sharding, base, position in _entries(cell):
-            gshape = global_shape_from_local(name, tuple(param.shape), sharding, layout)
-            if not writes(layout, rank, sharding["axis"]):
+            info = infos.get(id(param))
+            if info is not None and info.role == "main" and info.base.dtype == ms.float32:
+                continue  # equal to the float32 weight (see .zero); load derives it
+            sharded = info is not None and info.sharded
+            local = info.full_shape if sharded else tuple(param.shape)
+            gshape = global_shape_from_local(name, local, sharding, layout)
+            mine = writes(layout, rank, sharding["axis"])
+            if sharded:  # every rank of the group takes part in the all-gather
+                shards.append((len(items) if mine else None, info, param))
+            if not mine:
                 continue
             piece = piece_for(name, gshape, sharding, layout, rank)
-            tag, array = _to_numpy(param)
+            tag, array = _to_numpy(param) if not sharded else (_tag(param), None)
             items.append((name, tag, gshape, sharding, piece, array))
             meta[name] = {"layer": layer_index(base or name, prefixes), "position": position,
                           "base": base}
@@ -322,6 +371,11 @@ def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] =
     except Exception as err:  # noqa: BLE001 - every rank must learn of it (see _agree)
         error = err
     _agree(layout, rank, error, directory, "preparing the save")
+    try:
+        _fill_sharded(items, shards)
+    except Exception as err:  # noqa: BLE001
+        error = err
+    _agree(layout, rank, error, directory, "gathering its sharded tensors")
     try:
         write_rank(partial_dir(directory), rank, layout.coords(rank)["pp"], items, meta=meta)
     except Exception as err:  # noqa: BLE001
@@ -334,7 +388,8 @@ def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] =
         raise
     if rank == 0:
         try:
-            finish(directory, layout.world_size, _layout_dict(layout), step, extra, prefixes)
+            finish(directory, layout.world_size, _layout_dict(layout), step, extra, prefixes,
+                   records)
         except Exception as err:  # noqa: BLE001
             error = err
     _agree(layout, rank, error, directory,
@@ -370,27 +425,42 @@ def load(cell, directory, *, strict: bool = True) -> dict:
             that does not match.
     """
     layout, rank = _world()
-    error, values = None, []
+    error, values, derived = None, [], []
     names_all: list = []
     try:
         reader = CheckpointReader(str(directory), verify=True)
         names_all = sorted(reader.params)
+        infos, _, records = zero.discover(cell)
+        zero.check_records(reader.manifest.get("optimizers"), _optimizer_records(cell, records),
+                           directory)
+        derived = []  # main weights the checkpoint lacks: set from the loaded weights
         for name, param, sharding in named_parameters(cell):
             entry = reader.params.get(name)
+            info = infos.get(id(param))
+            sharded = info is not None and info.sharded
             if entry is None:
+                if info is not None and info.role == "main":
+                    derived.append((param, name, info))
+                    continue
                 if strict:
                     raise CheckpointError(f"parameter {name!r} of the model is missing from the "
                                           f"checkpoint {directory} (strict=True).")
                 continue
             piece = piece_for(name, entry["shape"], sharding, layout, rank)
             want = local_shape(entry["shape"], piece)
-            if tuple(param.shape) != want:
+            have = info.full_shape if sharded else tuple(param.shape)
+            if have != want:
                 raise CheckpointError(
-                    f"parameter {name!r}: this rank's shape is {tuple(param.shape)}, but the "
-                    f"checkpoint's global shape {tuple(entry['shape'])} split as {sharding} at "
-                    f"tp={layout.tp} gives {want}.")
-            values.append((param, name, _to_tensor(np.array(reader.read_piece(name, piece)),
-                                                   entry["dtype"], param)))
+                    f"parameter {name!r}: this rank's shape is {have}"
+                    + (f" (unsharded; it holds {tuple(param.shape)})" if sharded else "")
+                    + f", but the checkpoint's global shape {tuple(entry['shape'])} split as "
+                    f"{sharding} at tp={layout.tp} gives {want}.")
+            array = np.array(reader.read_piece(name, piece))
+            if sharded:  # this rank's rows of the dim-0 shard, zero padded
+                array = zero.shard_of(array, info.group.size, info.group.rank)
+            values.append((param, name, _to_tensor(array, entry["dtype"], param)))
+        loaded = {id(param): value for param, _, value in values}
+        derived = [(param, ms.Tensor(zero.derive_main(info, loaded))) for param, _, info in derived]
     except CheckpointError as err:
         error = err
     except Exception as err:  # noqa: BLE001 - the other ranks must not wait for this one
@@ -418,6 +488,8 @@ def load(cell, directory, *, strict: bool = True) -> dict:
                 f"holds (strict=True), e.g. {extra[0]!r}; nothing was modified. Pass "
                 "strict=False to ignore them.")
     for param, _, value in values:
+        param.set_data(value)
+    for param, value in derived:
         param.set_data(value)
     manifest = reader.manifest
     if reader.note and rank == 0:

@@ -154,11 +154,13 @@ def read_manifest(directory: str) -> dict:
     return open_manifest(directory)[0]
 
 
-def merge_parts(parts: list, layout: dict, step=None, extra=None, layer_prefixes=None) -> dict:
+def merge_parts(parts: list, layout: dict, step=None, extra=None, layer_prefixes=None,
+                optimizers=None) -> dict:
     """The manifest from the ranks' parts (each ``{"rank", "file", "bytes", "crc32",
     "stage", "params": {name: {"shape", "dtype", "sharding", "key", "dim", "ranges",
     "crc32", "block_bytes", "block_crc32", "layer", "position", "base"}}}``), in rank
-    order; a piece seen twice becomes a copy."""
+    order; a piece seen twice becomes a copy. ``optimizers`` (what the saved cell's
+    optimizers were, see :mod:`.zero`) is kept when given."""
     files, params = {}, {}
     for part in sorted(parts, key=lambda p: p["rank"]):
         if part.get("file"):
@@ -181,9 +183,12 @@ def merge_parts(parts: list, layout: dict, step=None, extra=None, layer_prefixes
             same = [s for s in entry["shards"]
                     if s["dim"] == shard["dim"] and s["ranges"] == shard["ranges"]]
             (entry["copies"] if same else entry["shards"]).append(shard)
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "extra": extra,
-            "layout": layout, "layer_prefixes": list(layer_prefixes or ["layers"]),
-            "files": files, "parameters": dict(sorted(params.items()))}
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "extra": extra,
+                "layout": layout, "layer_prefixes": list(layer_prefixes or ["layers"]),
+                "files": files, "parameters": dict(sorted(params.items()))}
+    if optimizers:
+        manifest["optimizers"] = optimizers
+    return manifest
 
 
 def _empty(shape, dtype, scratch) -> np.ndarray:

@@ -254,7 +254,7 @@ def reshard(directory: str, out: str, layout, progress=None, verify: bool = True
                     raise
         manifest = finish(str(out), layout.world_size, layout.to_dict(),
                           reader.manifest.get("step"), reader.manifest.get("extra"),
-                          reader.manifest.get("layer_prefixes"))
+                          reader.manifest.get("layer_prefixes"), reader.manifest.get("optimizers"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

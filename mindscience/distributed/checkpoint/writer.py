@@ -141,7 +141,7 @@ def write_rank(tmp: str, rank: int, stage: int, items, chunks=None, meta=None) -
 
 
 def finish(directory: str, world_size: int, layout: dict, step=None, extra=None,
-           layer_prefixes=None) -> dict:
+           layer_prefixes=None, optimizers=None) -> dict:
     """Merge the ``world_size`` parts in ``DIR.partial`` into the manifest, write it, and
     put the directory in place (see the module doc). Rank 0 only, after every rank's
     :func:`write_rank`."""
@@ -152,7 +152,7 @@ def finish(directory: str, world_size: int, layout: dict, step=None, extra=None,
         with open(os.path.join(tmp, part_file(rank))) as fh:
             parts.append(json.load(fh))
     manifest = merge_parts(parts, {k: layout[k] for k in LAYOUT_KEYS if k in layout}, step, extra,
-                           layer_prefixes)
+                           layer_prefixes, optimizers)
     write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
     parent = os.path.dirname(os.path.abspath(directory))
     old = directory + OLD_SUFFIX

@@ -1,0 +1,53 @@
+"""The ONE 4-rank msrun job of test_checkpoint_zero.py (a launch costs 15-25 s before any
+check runs): the uninterrupted reference, then the chain stage 3 (fully_shard, dp4) ->
+stage 1 (tp2 x dp2) -> stage 0 (tp1), then the offline reshard of a stage-2 checkpoint.
+
+The checks live next to the tests (tests/_checkpoint_zero_checks.py), imported by the
+workers through ``spec["modules"]`` with tests/ on their PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+WORLD_SIZE = 4
+TIMEOUT_S = 300
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 6
+
+SPEC = {
+    "modules": ["_checkpoint_zero_checks"],
+    "checks": [
+        {"name": "ckzero.reference", "params": {"steps": STEPS}},
+        {"name": "ckzero.chain", "params": {"legs": [2, 2]}},
+        {"name": "ckzero.offline", "params": {"first": 3}},
+    ],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def run_job():
+    """Launch the battery once per session; returns the harness LaunchResult."""
+    from mindscience.distributed.harness import launch
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)}
+    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=env)
+
+
+def describe_failures(result) -> str:
+    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
+    for failure in result.failures:
+        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
+        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-30:])
+    return "\n".join(lines)
+
+
+def records_of(result, check: str) -> list:
+    """Every rank's records of ``check``, as ``(rank, record)``."""
+    out = []
+    for rank, state in sorted(result.ranks.items()):
+        for record in (state or {}).get("records", []):
+            if record.get("check") == check:
+                out.append((rank, record))
+    return out
