@@ -82,11 +82,17 @@ class Trainer:
         self.training = training_spec(training, opts)
         self.config = model_config(model_spec, self.training)
         self.model = GPTModel(self.config, seed=opts.seed)
+        if opts.zero_stage == 3:
+            from mindscience.distributed.fsdp import fully_shard
+
+            # Stage 3 steps the dim-0 shards fully_shard makes (contract C3).
+            fully_shard(self.model)
         self.optimizer = DistributedOptimizer(self.model.trainable_params(), optimizer="adamw", lr=opts.lr,
                                               zero_stage=opts.zero_stage)
         self.first_step = 0  # steps already trained (the resumed step counter)
         self.first_sequence = 0  # data position of step 0 in the token file
         self.saved: list = []
+        self._state = None
 
     # ----------------------------------------------------------------- data
     def batch(self, step: int) -> tuple:
@@ -139,11 +145,13 @@ class Trainer:
         return float(tensor.asnumpy()[0])
 
     # ----------------------------------------------------------------- state
-    def state_cell(self):
-        """What a checkpoint holds: the model and the optimizer (moments, step counter)."""
-        from mindspore import nn
+    def state(self):
+        """The checkpointable state (:class:`~.state.TrainState`), built on first use."""
+        if self._state is None:
+            from .state import TrainState
 
-        return nn.CellList([self.model, self.optimizer])
+            self._state = TrainState(self.model, self.optimizer)
+        return self._state
 
     def save(self, directory: str, steps_done: int) -> str:
         """Checkpoint after ``steps_done`` steps: weights, optimizer state, step, data position."""
@@ -152,7 +160,9 @@ class Trainer:
         extra = {"data_position": self.data_position(steps_done), "seed": self.opts.seed,
                  "data": self.opts.data, "global_batch_size": self.opts.global_batch_size,
                  "model": self.spec.name, "model_spec": asdict(self.spec)}
-        checkpoint.save(self.state_cell(), directory, step=steps_done, extra=extra)
+        state = self.state()
+        state.pull()
+        checkpoint.save(state.cell(), directory, step=steps_done, extra=extra)
         self.saved.append(directory)
         return directory
 
@@ -168,7 +178,9 @@ class Trainer:
         """Load a checkpoint (saved at any layout) and continue from its step and data position."""
         from mindscience.distributed import checkpoint
 
-        info = checkpoint.load(self.state_cell(), directory)
+        state = self.state()
+        info = checkpoint.load(state.cell(), directory)
+        state.push()
         self.first_step = int(info["step"] or 0)
         position = (info.get("extra") or {}).get("data_position", self.first_step * self.opts.global_batch_size)
         # Step k reads sequences first_sequence + k*G ..: the saved position is step first_step's.
