@@ -221,7 +221,8 @@ BAD_PLANS = [  # (model builder, plan, tp, expected message parts)
     ("padding_idx", _with(lambda: mint.nn.Embedding(8, 4, padding_idx=0), "extra"),
      {"layers.0.extra": VocabParallel()}, 2, ["'layers.0.extra'", "padding_idx=0"]),
     ("tied weights", _TiedNet, {"a": ColwiseParallel()}, 2, ["'a'", "shared with b.weight", "Untie"]),
-    ("root", lambda: nn.Dense(4, 4), {"": ColwiseParallel()}, 2, ["root cell", "Wrap the layer"]),
+    ("root", lambda: nn.Dense(4, 4), {"*": ColwiseParallel()}, 2, ["root cell", "Wrap the layer"]),
+    ("empty pattern", P.build, {"": ColwiseParallel()}, 2, ["plan key ''", "non-empty fnmatch pattern"]),
     ("not a style", P.build, {"head": ColwiseParallel}, 2, ["plan['head']", "note the parentheses"]),
     ("empty plan", P.build, {}, 2, ["non-empty dict"]),
 ]
@@ -232,7 +233,7 @@ def test_bad_plans_raise_before_any_change(case, build, plan, tp, parts):
     model = build()
     # A valid entry first: it must not be applied when a later entry is wrong.
     full_plan = plan
-    if isinstance(model, P.DenseLM) and case != "nested":
+    if isinstance(model, P.DenseLM) and plan and case != "nested":
         full_plan = {"norm": SequenceParallel(), **plan}
     cells_before = [(n, id(c)) for n, c in model.cells_and_names()]
     values_before = dense_values(model)
@@ -260,7 +261,7 @@ def test_head_parallel_refuses_a_second_pass():
 
 def test_replaced_layers_are_refused_on_a_second_pass():
     model = parallelize_module(P.build(0), {"layers.*.fc1": ColwiseParallel()}, tp_group=fake_group(2, 0))
-    with pytest.raises(ParallelizePlanError, match="ColumnParallelLinear"):
+    with pytest.raises(ParallelizePlanError, match="'layers.0.fc1': it is already a ColumnParallelLinear"):
         parallelize_module(model, {"layers.*.fc1": ColwiseParallel()}, tp_group=fake_group(2, 0))
 
 

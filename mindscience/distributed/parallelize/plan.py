@@ -14,6 +14,8 @@ from typing import Optional
 
 from mindspore import mint, nn
 
+from ..modules.embedding import VocabParallelEmbedding
+from ..modules.linear import ColumnParallelLinear, RowParallelLinear
 from .styles import (ColwiseParallel, HeadParallel, ParallelizePlanError, ParallelStyle,
                      RowwiseParallel, SequenceParallel, VocabParallel, chunk_widths)
 
@@ -23,6 +25,7 @@ __all__ = ["Match", "resolve_plan", "describe_module", "LINEAR_TYPES", "EMBEDDIN
 LINEAR_TYPES = (nn.Dense, mint.nn.Linear)
 EMBEDDING_TYPES = (nn.Embedding, mint.nn.Embedding)
 _REPLACING = (ColwiseParallel, RowwiseParallel, VocabParallel)
+_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
 @dataclass
@@ -106,9 +109,18 @@ def _nothing_matched(pattern: str, names: list) -> None:
           "pattern or remove it from the plan.")
 
 
+def _check_not_parallel(m: Match) -> None:
+    layer = next((t for t in _PARALLEL_LAYERS if isinstance(m.cell, t)), None)
+    if layer is not None:
+        _fail(f"parallelize_module: {type(m.style).__name__} on module {m.name!r}: it is already "
+              f"a {layer.__name__} (parallelize_module ran on this model before, or the model "
+              "builds the parallel layer itself). Leave it out of the plan.")
+
+
 def _check_linear(m: Match, tp: int) -> None:
     cell, style, where = m.cell, m.style, describe_module(m.name, m.cell)
     label = type(style).__name__
+    _check_not_parallel(m)
     if type(cell) not in LINEAR_TYPES:
         _fail(f"parallelize_module: {label} on {where}: {label} applies to mindspore.nn.Dense "
               "or mindspore.mint.nn.Linear only (exact types: a subclass may compute something "
@@ -152,6 +164,7 @@ def _check_linear(m: Match, tp: int) -> None:
 
 def _check_embedding(m: Match, tp: int) -> None:
     cell, where = m.cell, describe_module(m.name, m.cell)
+    _check_not_parallel(m)
     if type(cell) not in EMBEDDING_TYPES:
         _fail(f"parallelize_module: VocabParallel on {where}: VocabParallel applies to "
               "mindspore.nn.Embedding or mindspore.mint.nn.Embedding only. Match the embedding "
