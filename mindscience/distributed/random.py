@@ -64,7 +64,7 @@ import numbers
 import mindspore as ms
 
 __all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "MODEL_PARALLEL_RNG",
-           "seeds_for", "recompute", "recompute_rng_context"]
+           "seeds_for", "recompute"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_OFFSET = 2718
@@ -162,46 +162,67 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def recompute_rng_context():
-    """``(forward, recompute)`` context managers for ``Cell.recompute(context_fn=...)``.
+def _stream_state():
+    """Every stream at once: the one in force and the tracker's."""
+    return _capture(), _TRACKER.get_states()
 
-    The forward one records the default stream and every tracker stream; the recompute
-    one installs them for the recomputed forward, then puts back what was in force (so
-    the streams advance once per step, as without recompute). MindSpore calls this once
-    per forward of the marked cell.
+
+def _install_stream_state(state) -> None:
+    _install(state[0])
+    _TRACKER.set_states(state[1])
+
+
+_REPLAY_CLS = {}
+
+
+def _replay_cls():
+    """MindSpore's recompute cell with every stream replayed (built on first use).
+
+    ``Cell.recompute()`` puts a ``_RecomputeCell`` (private, ``mindspore.common.recompute``)
+    in front of the cell: its forward runs the block without a tape and records the
+    Generator state, its ``bprop`` re-runs the block with autodiff. This subclass records
+    every stream as well, installs them around the re-run, then puts back the streams in
+    force. (MindSpore's non-reentrant recompute, which takes such context managers, fails
+    on CPU once the block holds a custom-bprop cell, as every collective mapping is:
+    "Stack input_args_info_stack_ is empty", measured.)
     """
-    box = {}
+    cls = _REPLAY_CLS.get("cls")
+    if cls is None:
+        base = importlib.import_module("mindspore.common.recompute")._RecomputeCell
 
-    @contextlib.contextmanager
-    def forward():
-        box["state"] = (_capture(), _TRACKER.get_states())
-        yield
+        class _ReplayRecompute(base):
+            def __init__(self, block):
+                super().__init__(block)
+                self.stream_states = []
 
-    @contextlib.contextmanager
-    def replay():
-        now = (_capture(), _TRACKER.get_states())
-        _install(box["state"][0])
-        _TRACKER.set_states(box["state"][1])
-        try:
-            yield
-        finally:
-            _install(now[0])
-            _TRACKER.set_states(now[1])
+            def construct(self, *args, **kwargs):
+                self.stream_states.append(_stream_state())
+                return super().construct(*args, **kwargs)
 
-    return forward(), replay()
+            def bprop(self, *args):
+                now = _stream_state()
+                _install_stream_state(self.stream_states.pop())
+                try:
+                    return super().bprop(*args)
+                finally:
+                    _install_stream_state(now)
+
+        cls = _REPLAY_CLS["cls"] = _ReplayRecompute
+    return cls
 
 
-def recompute(cell, **kwargs):
+def recompute(cell):
     """Recompute ``cell``'s forward in the backward, with the same dropout masks.
 
-    ``cell.recompute(use_reentrant=False, context_fn=recompute_rng_context, **kwargs)``:
-    MindSpore's non-reentrant recompute with the streams of this module replayed (see the
-    module docstring for why ``cell.recompute()`` alone draws other masks in PyNative).
-    Returns ``cell``.
+    ``cell.recompute()``, whose PyNative recomputed forward then starts from the states
+    every stream (the default one and the tracker's) had at the forward, and leaves them
+    where the forward left them: the gradients and every later mask equal those without
+    recompute. Compiled code is unchanged (``Cell.recompute()`` already replays its traced
+    seeds there). Returns ``cell``.
 
     Example (any tp): ``random.recompute(mlp)``; ``mlp``'s forward may draw dropout on the
     default stream and inside ``get_rng_tracker().fork()``, and the gradients equal those
-    of the same step without recompute.
+    of the same step without recompute (measured at tp2, collectives in the block).
 
     Raises:
         TypeError: ``cell`` is not an ``nn.Cell``.
@@ -209,7 +230,9 @@ def recompute(cell, **kwargs):
     if not isinstance(cell, ms.nn.Cell):
         raise TypeError(f"random.recompute: cell must be an nn.Cell, got {type(cell).__name__}; "
                         "wrap a function in a Cell whose construct calls it.")
-    cell.recompute(use_reentrant=False, context_fn=recompute_rng_context, **kwargs)
+    cell.recompute()
+    # The same assignment Cell.recompute() makes, with the replaying cell.
+    cell._recompute_cell = _replay_cls()(cell.construct)  # pylint: disable=protected-access
     return cell
 
 

@@ -1,0 +1,64 @@
+"""The ONE 4-rank msrun job of test_recompute.py (a launch costs ~20 s before any check).
+
+The checks live next to the tests (``_recompute_checks.py``); the worker imports them
+through ``spec["modules"]`` with this folder on ``PYTHONPATH``. Layouts: tp2 x cp2 for
+the layer set and the RNG tracker, tp2 x pp2 for the pipeline runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+WORLD_SIZE = 4
+TIMEOUT_S = 420
+
+_TP2_CP2 = {"tp": 2, "cp": 2}
+_TP2_PP2 = {"tp": 2, "pp": 2}
+SPEC = {
+    "modules": ["_recompute_checks"],
+    "layout": {"world_size": WORLD_SIZE, **_TP2_CP2},
+    "checks": [
+        # PyNative: every layer and method, both ways; compiled (seconds per graph): one
+        # attention method per mode and one way each
+        {"name": "recompute.layers", "params": {"layout": _TP2_CP2}},
+        {"name": "recompute.layers", "params": {"layout": _TP2_CP2, "modes": ["jit"],
+                                                "variants": ["cells"], "methods": ["ulysses"]}},
+        {"name": "recompute.layers", "params": {"layout": _TP2_CP2, "modes": ["graph"],
+                                                "variants": ["selective"],
+                                                "methods": ["allgather_kv"]}},
+        {"name": "recompute.rng", "params": {"layout": _TP2_CP2}},
+        {"name": "recompute.pipeline", "params": {"layout": _TP2_PP2}},
+    ],
+}
+_ALL = "ring+ulysses+allgather_kv"
+LAYER_GROUPS = (f"pynative.cells.{_ALL}", f"pynative.selective.{_ALL}", "jit.cells.ulysses",
+                "graph.selective.allgather_kv")
+
+
+@functools.lru_cache(maxsize=None)
+def run_job():
+    """Launch the battery once per session; returns the harness LaunchResult."""
+    from mindscience.distributed.harness import launch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env={"PYTHONPATH": path})
+
+
+def records_of(result, check: str) -> list:
+    """Every rank's records of ``check``."""
+    out = []
+    for _, state in sorted(result.ranks.items()):
+        for record in (state or {}).get("records", []):
+            if record.get("check") == check:
+                out.append(record)
+    return out
+
+
+def describe_failures(result) -> str:
+    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
+    for failure in result.failures:
+        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
+        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-15:])
+    return "\n".join(lines)
