@@ -1,0 +1,433 @@
+"""``GPTModel``: this rank's share of a GPT-style decoder at the layout ``initialize_parallel`` set.
+
+    cfg = TransformerConfig.from_model_spec("tiny-llama")
+    model = GPTModel(cfg)                        # dense without initialize_parallel
+    loss, grads = model.forward_backward(input_ids, labels, num_microbatches=4)
+
+What each rank holds, e.g. 8 layers at tp2 x cp2 x pp2 (v = 1, 8 ranks):
+
+=================  ====================================================================
+part               this rank's share
+=================  ====================================================================
+embedding          pipeline rank 0: vocabulary rows ``V/tp`` (VocabParallelEmbedding,
+                   reduce-scattered over the sequence), the learned positions (whole)
+layers 0-3 / 4-7   pipeline rank 0 / 1 (:func:`..pipeline.split.stage_layers`; unequal
+                   stages with first/last_stage_layers); per layer whole query groups
+                   and MLP columns over tp, this cp rank's tokens
+final norm, head   pipeline rank 1: the output layer's ``V/tp`` rows (tied: a copy of
+                   the embedding marked ``shared_embedding``, summed over the embedding
+                   group by the gradient finalizer), vocab-parallel cross-entropy
+=================  ====================================================================
+
+Names are global (``layers.5.mlp.fc1.weight`` on whichever stage holds layer 5), so a
+checkpoint moves between layouts, and every global tensor is drawn from a generator
+keyed by (seed, name) (:mod:`.weights`): the same ``mindspore.set_seed`` gives the
+dense model's weights at every layout.
+
+Sequence: every rank gets its dp rank's full sequences ``(rows, S)``; the model keeps
+its cp rank's tokens (contiguous ``S/cp`` rows, or for the load-balanced causal ring
+chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``), transposed to ``(S/cp, rows)``.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from .. import collectives as C
+from .. import mappings
+from ..costmodel.errors import ModelError
+from ..group import ParallelGroup
+from ..modules import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ..sharding import mark_sharding
+from .config import TransformerConfig
+from .layers import Init, Norm, TransformerLayer
+
+__all__ = ["GPTModel", "sequence_rows"]
+
+_DTYPES = {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}
+MODES = ("jit", "pynative")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+def sequence_rows(seq_length: int, cp: int, rank: int, zigzag: bool) -> np.ndarray:
+    """Global positions of cp rank ``rank``'s tokens, in the order it holds them.
+
+    ``sequence_rows(8, 2, 0, False) == [0, 1, 2, 3]``; zigzag (the load-balanced causal
+    ring): ``sequence_rows(8, 2, 0, True) == [0, 1, 6, 7]`` and rank 1 gets ``[2, 3, 4, 5]``.
+    """
+    if cp == 1:
+        return np.arange(seq_length, dtype=np.int32)
+    if not zigzag:
+        n = seq_length // cp
+        return np.arange(rank * n, (rank + 1) * n, dtype=np.int32)
+    c = seq_length // (2 * cp)
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c),
+                           np.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]).astype(np.int32)
+
+
+class _Positions(nn.Cell):
+    """The learned position table ``(S, H)`` (whole on every rank) looked up at this
+    rank's rows; partial gradients under sequence parallelism (marked)."""
+
+    def __init__(self, init: Init, rows: np.ndarray):
+        super().__init__()
+        cfg = init.config
+        self.weight = init.parameter("embedding.position_embeddings.weight",
+                                     (cfg.seq_length, cfg.hidden_size), "normal", "weight")
+        mark_sharding(self.weight, axis=None, sequence_parallel=init.sequence_parallel)
+        self.rows = ms.Tensor(rows.astype(np.int32))
+
+    def construct(self):
+        return ops.expand_dims(ops.gather(self.weight, self.rows, 0), 1)
+
+
+class _Embedding(nn.Cell):
+    """Word embedding over the vocabulary (tp) plus learned positions; dropout."""
+
+    def __init__(self, init: Init, rows: np.ndarray):
+        super().__init__()
+        cfg = init.config
+        full = init.full("embedding.word_embeddings.weight", (cfg.vocab_size, cfg.hidden_size),
+                         "normal")
+        self.word_embeddings = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, init_method=init.tensor(full),
+            sequence_parallel=init.sequence_parallel, param_init_dtype=init.dtype, group=init.tp)
+        self.learned = cfg.position_embedding == "learned"
+        if self.learned:
+            mine = rows
+            if init.sequence_parallel:
+                n = len(rows) // init.tp.size
+                mine = rows[init.tp.rank * n:(init.tp.rank + 1) * n]
+            self.position_embeddings = _Positions(init, mine)
+        self.dropout = float(cfg.dropout)
+
+    def construct(self, ids):
+        x = self.word_embeddings(ids)
+        if self.learned:
+            x = x + self.position_embeddings().astype(x.dtype)
+        if self.dropout > 0 and self.training:
+            x = ops.dropout(x, p=self.dropout)
+        return x
+
+
+class _OutputLayer(nn.Cell):
+    """The untied head, or on the last pipeline stage the copy of a tied embedding."""
+
+    def __init__(self, init: Init, tied: bool):
+        super().__init__()
+        cfg = init.config
+        name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+        full = init.full(name, (cfg.vocab_size, cfg.hidden_size), "normal")
+        per = cfg.vocab_size // init.tp.size
+        self.weight = ms.Parameter(init.tensor(full[init.tp.rank * per:(init.tp.rank + 1) * per]),
+                                   name="weight")
+        mark_sharding(self.weight, axis="tp", partition_dim=0)
+        if tied:
+            self.weight.shared_embedding = True
+
+
+class _Stack(nn.Cell):
+    """Layers as children named by their GLOBAL index (``layers.5`` on every layout)."""
+
+    def __init__(self, layers: dict):
+        super().__init__()
+        for index, layer in layers.items():
+            self.insert_child_to_cell(str(index), layer)
+
+
+class _Chain(nn.Cell):
+    """``rest(layer(x))``: the layers of a chunk as nested calls, built by :func:`_chain`.
+
+    Not a loop: under ms.jit, MindSpore 2.10 fails to differentiate a ``for`` over two or
+    more of these layers (an nn.CellList or a tuple of attribute names alike), and a
+    ``construct`` that branches on an attribute (``if self.has_rest``); its backward
+    takes ``zeros_like`` of a tuple that holds the layers' ParallelGroups. Straight
+    nested calls compile.
+    """
+
+    def __init__(self, layer, rest):
+        super().__init__(auto_prefix=False)
+        self.layer, self.rest = layer, rest
+
+    def construct(self, x):
+        return self.rest(self.layer(x))
+
+
+class _Identity(nn.Cell):
+    def construct(self, x):
+        return x
+
+
+def _chain(layers: list) -> nn.Cell:
+    """The chunk's layers applied in order (the last one alone, an identity if none)."""
+    if not layers:
+        return _Identity()
+    if len(layers) == 1:
+        return layers[0]
+    return _Chain(layers[0], _chain(layers[1:]))
+
+
+class _Head(nn.Cell):
+    """Final norm, then this tp rank's vocabulary columns of the logits ``(S_cp, b, V/tp)``
+    (sequence-parallel rows all-gathered over tp first). ``table`` owns the weight: the
+    output layer, or at pp == 1 with tied embeddings the word embedding itself."""
+
+    def __init__(self, final_norm, table, tp, sequence_parallel: bool):
+        super().__init__(auto_prefix=False)
+        self.final_norm, self.table = final_norm, table
+        self.tp = tp
+        self.gather = tp.size > 1 and sequence_parallel
+        self.copy = tp.size > 1 and not sequence_parallel
+
+    def construct(self, x):
+        x = self.final_norm(x)
+        if self.gather:
+            x = mappings.gather_from_sequence(x, self.tp)
+        if self.copy:
+            x = mappings.copy_to_all(x, self.tp)
+        w = self.table.weight
+        s, b, h = x.shape
+        y = ops.matmul(x.reshape(s * b, h), ops.cast(w, x.dtype).T)
+        return y.reshape(s, b, -1)
+
+
+def _chunk(model, layers: list, first: bool, last: bool) -> nn.Cell:
+    """One model stage: [embedding] -> its layers -> [final norm -> vocab-parallel logits].
+
+    Input: ids ``(S_cp, b)`` on the first model stage, else the hidden states; output:
+    the hidden states, or on the last model stage this tp rank's logits ``(S_cp, b, V/tp)``.
+    """
+    parts = list(layers)
+    if first:
+        parts.insert(0, model.embedding)
+    if last:
+        table = (model.output_layer if model.output_layer is not None
+                 else model.embedding.word_embeddings)
+        parts.append(_Head(model.final_norm, table, model.tp, model.init.sequence_parallel))
+    chunk = _chain(parts)
+    if len(parts) == 1:  # a single part is returned as is: give the chunk its own cell
+        chunk = _Chain(parts[0], _Identity())
+    return chunk
+
+
+class _Loss(nn.Cell):
+    """Mean cross-entropy over this rank's tokens, from vocabulary-parallel logits."""
+
+    def __init__(self, tp):
+        super().__init__()
+        self.tp = tp
+
+    def construct(self, logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels, group=self.tp).mean()
+
+
+def _groups(parallel: bool) -> dict:
+    from .. import manager
+
+    if parallel and manager.is_initialized():
+        return {"tp": manager.get_tensor_parallel_group(),
+                "cp": manager.get_context_parallel_group(),
+                "pp": manager.get_pipeline_parallel_group()}
+    return {k: ParallelGroup.trivial(k) for k in ("tp", "cp", "pp")}
+
+
+class GPTModel(nn.Cell):
+    """This rank's part of the GPT-style model ``config`` describes, at the current layout.
+
+    Args:
+        config: A :class:`TransformerConfig`.
+        seed: Seed of the global weights; default ``mindspore.get_seed()`` (0 when unset).
+            Every rank must use the same.
+        parallel: False builds the dense model in this process even after
+            ``initialize_parallel`` (every group of size 1), e.g. as a reference.
+
+    Attributes:
+        tp, cp, pp: The groups in use. ``layer_indices``: global indices of the layers
+        here; ``chunks``: this rank's model stages (``virtual_pipeline_stages`` of them
+        at pp > 1), chunk c being model stage ``c * pp + pp_rank``.
+
+    Raises:
+        ModelConstraintError: the layout cannot run the model (tp not dividing the
+            query groups, vocabulary or ffn; cp not dividing the sequence; layers that
+            cannot be cut); before any collective, on every rank.
+        TypeError: ``config`` is not a TransformerConfig.
+    """
+
+    def __init__(self, config: TransformerConfig, *, seed=None, parallel: bool = True):
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"GPTModel: config is {type(config).__name__}, expected a "
+                            "TransformerConfig (TransformerConfig.from_model_spec(name) or "
+                            "TransformerConfig(num_layers=..., ...)).")
+        groups = _groups(parallel)
+        self.tp, self.cp, self.pp = groups["tp"], groups["cp"], groups["pp"]
+        tp, cp, pp = self.tp.size, self.cp.size, self.pp.size
+        stage_layers = config.check_layout(tp, cp, pp)
+        if seed is None:
+            seed = ms.get_seed()
+        seed = 0 if seed is None else seed
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ModelError(f"GPTModel: seed={seed!r} is invalid: expected an integer >= 0.")
+        self.config, self.seed = config, int(seed)
+        self.zigzag = config.context_parallel_method == "ring" and cp > 1
+        self.seq_rows = sequence_rows(config.seq_length, cp, self.cp.rank, self.zigzag)
+        init = Init(config, seed, _DTYPES[config.precision], self.tp, self.cp,
+                    config.sequence_parallel)
+        object.__setattr__(self, "init", init)
+        v = config.virtual_pipeline_stages if pp > 1 else 1
+        self.virtual_stages = v
+        offsets = np.cumsum([0] + list(stage_layers))
+        stages = pp * v
+        chunk_layers = []
+        for c in range(v):
+            k = c * pp + self.pp.rank
+            chunk_layers.append((k, list(range(offsets[k], offsets[k + 1]))))
+        self.layer_indices = [i for _, idx in chunk_layers for i in idx]
+        holds_first = chunk_layers[0][0] == 0
+        holds_last = chunk_layers[-1][0] == stages - 1
+        layers = {}
+        for i in self.layer_indices:
+            layer = TransformerLayer(init, i, self.seq_rows, self.zigzag)
+            if config.recompute == "full":
+                layer.recompute()
+            layers[i] = layer
+        embedding = _Embedding(init, self.seq_rows) if holds_first else None
+        final_norm = Norm(init, "final_norm") if holds_last else None
+        tied_copy = config.tie_embeddings and pp > 1
+        output_layer = (_OutputLayer(init, tied_copy) if holds_last
+                        and (tied_copy or not config.tie_embeddings) else None)
+        if tied_copy and embedding is not None:
+            embedding.word_embeddings.weight.shared_embedding = True
+        # Build the chunks first, register the parts on the model last: the model's
+        # registration names every parameter by its global path (layers.<i>...).
+        object.__setattr__(self, "embedding", embedding)
+        object.__setattr__(self, "final_norm", final_norm)
+        object.__setattr__(self, "output_layer", output_layer)
+        chunks = [_chunk(self, [layers[i] for i in idx], k == 0, k == stages - 1)
+                  for k, idx in chunk_layers]
+        for name in ("embedding", "final_norm", "output_layer"):
+            object.__delattr__(self, name)
+        if embedding is not None:
+            self.embedding = embedding
+        self.layers = _Stack(layers)
+        if final_norm is not None:
+            self.final_norm = final_norm
+        if output_layer is not None:
+            self.output_layer = output_layer
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "loss_fn", _Loss(self.tp))
+
+    # ------------------------------------------------------------------ data
+    def shard_batch(self, ids):
+        """This rank's tokens of ``ids`` ``(rows, S)``: ``(S_cp, rows)`` int32 numpy, its cp
+        rows (zigzag for the load-balanced ring) with the sequence first."""
+        return np.ascontiguousarray(np.asarray(ids)[:, self.seq_rows].T).astype(np.int32)
+
+    def construct(self, local_ids, local_labels):
+        """pp == 1: the mean loss over this rank's tokens (ids/labels from :meth:`shard_batch`)."""
+        return self.loss_fn(self.chunks[0](local_ids), local_labels)
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, input_ids, labels, num_microbatches: int = 1, schedule=None,
+                         mode: str = "jit"):
+        """One step's forward and backward over ``num_microbatches`` micro-batches.
+
+        Args:
+            input_ids, labels: This dp rank's full sequences ``(m * b, S)`` (int32, a
+                Tensor or numpy array), the same on every rank of its tp x cp x pp slice.
+            num_microbatches: ``m``; the rows are cut into ``m`` micro-batches of ``b``.
+            schedule: pp > 1: ``"1f1b"`` (default), ``"gpipe"``, or ``"interleaved"``
+                (the default and the only choice when virtual_pipeline_stages > 1).
+            mode: ``"jit"`` (compiled forward and backward) or ``"pynative"``.
+
+        Returns:
+            ``(loss, grads)``: the mean loss over the tokens of ``input_ids`` (a float32
+            scalar, the same on every rank of the slice) and the gradients of
+            :meth:`trainable_params` (of this rank's mean loss over its tokens, summed
+            over micro-batches / m), NOT yet reduced over dp-cp, tp (sequence-parallel
+            parameters) or the embedding group: hand them to ``GradientFinalizer`` or
+            ``DistributedOptimizer``.
+
+        Raises:
+            ModelError: bad shapes, dtypes, ``num_microbatches`` or schedule; before any
+                collective.
+        """
+        m, sched = self._check_step(input_ids, labels, num_microbatches, schedule, mode)
+        ids = self.shard_batch(_numpy(input_ids))
+        tgt = self.shard_batch(_numpy(labels))
+        xs = [ms.Tensor(a) for a in np.split(ids, m, axis=1)]
+        ts = [ms.Tensor(a) for a in np.split(tgt, m, axis=1)]
+        params = self.trainable_params()
+        if self.pp.size == 1:
+            loss, grads = self._accumulate(xs, ts, mode)
+        else:
+            from ..pipeline import forward_backward
+
+            stage = self.chunks if sched == "interleaved" else self.chunks[0]
+            loss, grads = forward_backward(stage, xs, ts, self.loss_fn, schedule=sched, mode=mode,
+                                           group=self.pp)
+            order = {id(p): i for i, p in enumerate(
+                q for chunk in self.chunks for q in chunk.trainable_params())}
+            grads = tuple(grads[order[id(p)]] for p in params)
+        if self.cp.size > 1:
+            loss = C.all_reduce(loss, self.cp) / self.cp.size
+        return loss, grads
+
+    def _accumulate(self, xs, ts, mode):
+        from ..pipeline.stage_fns import stage_fns
+
+        chunk = self.chunks[0]
+        fns = stage_fns(chunk, self.loss_fn, mode, True, True)
+        acc, loss = fns.zeros(), ops.zeros((), ms.float32)
+        scale = ms.Tensor(1.0 / len(xs), ms.float32)
+        for x, t in zip(xs, ts):
+            _, acc, loss = fns.loss(x, t, scale, acc, loss)
+        return loss, tuple(acc)
+
+    def _check_step(self, input_ids, labels, m, schedule, mode):
+        name = "GPTModel.forward_backward"
+        if mode not in MODES:
+            raise ModelError(f"{name}: mode={mode!r} is invalid: expected one of {', '.join(MODES)}.")
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+            raise ModelError(f"{name}: num_microbatches={m!r} is invalid: expected an integer >= 1.")
+        s = self.config.seq_length
+        shapes = []
+        for what, a in (("input_ids", input_ids), ("labels", labels)):
+            arr = _numpy(a)
+            if arr.ndim != 2 or arr.shape[1] != s or arr.shape[0] % m or arr.shape[0] == 0:
+                raise ModelError(
+                    f"{name}: {what} has shape {tuple(arr.shape)}: expected (rows, seq_length="
+                    f"{s}) with rows a positive multiple of num_microbatches={m} (each "
+                    "micro-batch takes rows/m sequences). Pass this dp rank's full sequences.")
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise ModelError(f"{name}: {what} has dtype {arr.dtype}: expected integer token ids "
+                                 "(int32).")
+            if arr.size and (arr.min() < 0 or arr.max() >= self.config.vocab_size):
+                raise ModelError(f"{name}: {what} holds ids outside [0, {self.config.vocab_size}) "
+                                 f"(min {arr.min()}, max {arr.max()}); map them into the vocabulary.")
+            shapes.append(arr.shape)
+        if shapes[0] != shapes[1]:
+            raise ModelError(f"{name}: input_ids {shapes[0]} and labels {shapes[1]} differ in shape.")
+        v = self.virtual_stages
+        if schedule is None:
+            schedule = "interleaved" if v > 1 else "1f1b"
+        if schedule not in SCHEDULES:
+            raise ModelError(f"{name}: schedule={schedule!r} is invalid: expected one of "
+                             f"{', '.join(SCHEDULES)}.")
+        if self.pp.size > 1 and (schedule == "interleaved") != (v > 1):
+            raise ModelError(
+                f"{name}: schedule={schedule!r} with virtual_pipeline_stages={v}: the interleaved "
+                "schedule runs exactly when each rank holds several chunks. Use schedule=None.")
+        if self.pp.size > 1 and schedule == "interleaved" and m % self.pp.size:
+            raise ModelError(f"{name}: num_microbatches={m} is not a multiple of pp="
+                             f"{self.pp.size}, which the interleaved schedule needs.")
+        return int(m), schedule
+
+
+def _numpy(a) -> np.ndarray:
+    return a.asnumpy() if hasattr(a, "asnumpy") else np.asarray(a)

@@ -1,0 +1,223 @@
+"""The blocks of GPTModel: norms, rotary embedding, self-attention, MLP, transformer layer.
+
+Activations are ``(S, B, H)`` with the sequence first, as in the parallel layers. With
+sequence parallelism (tp > 1) the residual stream of a layer is this rank's
+``S_cp / tp`` rows (``S_cp`` = this context-parallel rank's rows); the qkv and fc1
+projections all-gather them over tp and the output projections reduce-scatter back:
+
+    x (S_cp/tp, B, H) -> norm -> qkv ColumnParallel (S_cp, B, (N + 2 N_kv) d / tp)
+      -> RoPE (this cp rank's global positions) -> context_parallel_attention over cp
+      -> proj RowParallel (S_cp/tp, B, H) -> + x -> norm -> fc1 ColumnParallel
+      -> GeLU | SwiGLU -> fc2 RowParallel (S_cp/tp, B, H) -> + residual
+
+Each parameter is created from its GLOBAL tensor (:mod:`.weights`, keyed by the global
+name) and this rank's slice of it, so the layers at any layout re-assemble to the dense
+model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from ..modules import ColumnParallelLinear, RowParallelLinear, context_parallel_attention
+from ..sharding import mark_sharding
+from .weights import draw, tp_slice
+
+__all__ = ["Norm", "SelfAttention", "MLP", "TransformerLayer", "rope_tables", "Init"]
+
+
+class Init:
+    """What a block needs to draw its parameters: seed, dtype, groups, the global name prefix."""
+
+    def __init__(self, config, seed: int, dtype, tp, cp, sequence_parallel: bool):
+        self.config, self.seed, self.dtype = config, int(seed), dtype
+        self.tp, self.cp = tp, cp
+        self.sequence_parallel = bool(sequence_parallel) and tp.size > 1
+
+    def full(self, name: str, shape, kind: str) -> np.ndarray:
+        return draw(self.seed, name, shape, kind, self.config.num_layers)
+
+    def tensor(self, array: np.ndarray) -> ms.Tensor:
+        return ms.Tensor(np.ascontiguousarray(array), ms.float32).astype(self.dtype)
+
+    def parameter(self, name: str, shape, kind: str, local_name: str) -> ms.Parameter:
+        """A replicated parameter (the same on every tp rank)."""
+        return ms.Parameter(self.tensor(self.full(name, shape, kind)), name=local_name)
+
+    def linear(self, cls, prefix: str, in_f: int, out_f: int, *, bias: bool, stride: int = 1,
+               out_kind: str = "normal", **kwargs):
+        """A Column/RowParallelLinear whose global weight is drawn by name and sliced here."""
+        w = self.full(prefix + ".weight", (out_f, in_f), out_kind)
+        b = self.full(prefix + ".bias", (out_f,), "zeros") if bias else None
+        column = cls is ColumnParallelLinear
+        if column and stride > 1:
+            # Reorder the rows so that the layer's contiguous row split hands rank r the
+            # r-th piece of every block (SwiGLU: [gate_r; up_r]).
+            w = np.concatenate([tp_slice(w, 0, r, self.tp.size, stride)
+                                for r in range(self.tp.size)])
+            if b is not None:
+                b = np.concatenate([tp_slice(b, 0, r, self.tp.size, stride)
+                                    for r in range(self.tp.size)])
+        layer = cls(in_f, out_f, bias=bias, weight_init=self.tensor(w),
+                    bias_init=None if b is None else self.tensor(b), param_init_dtype=self.dtype,
+                    compute_dtype=None, use_sequence_parallel=self.sequence_parallel,
+                    group=self.tp, **kwargs)
+        if column and stride > 1:
+            mark_sharding(layer.weight, axis="tp", partition_dim=0, partition_stride=stride)
+            if layer.bias is not None:
+                mark_sharding(layer.bias, axis="tp", partition_dim=0, partition_stride=stride)
+        return layer
+
+
+class Norm(nn.Cell):
+    """LayerNorm (weight and bias) or RMSNorm (weight) over the last dim, in float32.
+
+    (``mint.nn.LayerNorm`` has no CPU kernel in MindSpore 2.10.) Under sequence
+    parallelism each tp rank normalizes its own rows, so the gradients of these
+    replicated parameters are partial sums over tp: they carry ``sequence_parallel``
+    and the gradient finalizer sums them over tp.
+    """
+
+    def __init__(self, init: Init, prefix: str, eps: float = 1e-5):
+        super().__init__()
+        h = init.config.hidden_size
+        self.rms = init.config.normalization == "rmsnorm"
+        self.eps = eps
+        self.weight = init.parameter(prefix + ".weight", (h,), "ones", "weight")
+        self.bias = None if self.rms else init.parameter(prefix + ".bias", (h,), "zeros", "bias")
+        for p in (self.weight, self.bias):
+            if p is not None:
+                mark_sharding(p, axis=None, sequence_parallel=init.sequence_parallel)
+
+    def construct(self, x):
+        dtype = x.dtype
+        x = ops.cast(x, ms.float32)
+        if self.rms:
+            y = x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps)
+            y = y * ops.cast(self.weight, ms.float32)
+        else:
+            mean = x.mean(-1, keep_dims=True)
+            c = x - mean
+            y = c * ops.rsqrt((c * c).mean(-1, keep_dims=True) + self.eps)
+            y = y * ops.cast(self.weight, ms.float32) + ops.cast(self.bias, ms.float32)
+        return ops.cast(y, dtype)
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, base: float = 10000.0):
+    """``(cos, sin)`` of shape ``(len(positions), 1, 1, head_dim)`` (float32, numpy) for the
+    rotate-half RoPE at the given GLOBAL positions (a cp rank passes its own rows')."""
+    inv = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    angles = np.outer(np.asarray(positions, np.float64), inv)
+    angles = np.concatenate([angles, angles], axis=-1)
+    shape = (len(positions), 1, 1, head_dim)
+    return (np.cos(angles).reshape(shape).astype(np.float32),
+            np.sin(angles).reshape(shape).astype(np.float32))
+
+
+class _AttentionCore(nn.Cell):
+    """RoPE on q and k, then causal attention over the cp group (the part selective
+    recompute re-runs: its scores are the largest activations of a layer)."""
+
+    def __init__(self, init: Init, positions: np.ndarray, load_balance: bool):
+        super().__init__()
+        cfg = init.config
+        self.cp, self.method, self.load_balance = init.cp, cfg.context_parallel_method, load_balance
+        self.rope = cfg.position_embedding == "rope"
+        if self.rope:
+            cos, sin = rope_tables(positions, cfg.head_dim)
+            self.cos, self.sin = ms.Tensor(cos), ms.Tensor(sin)
+        self.half = cfg.head_dim // 2
+
+    def _rotate(self, x):
+        dtype = x.dtype
+        x = ops.cast(x, ms.float32)
+        rot = ops.cat((-x[..., self.half:], x[..., :self.half]), -1)
+        return ops.cast(x * self.cos + rot * self.sin, dtype)
+
+    def construct(self, q, k, v):
+        if self.rope:
+            q, k = self._rotate(q), self._rotate(k)
+        return context_parallel_attention(q, k, v, self.cp, method=self.method, causal=True,
+                                          load_balance=self.load_balance)
+
+
+class SelfAttention(nn.Cell):
+    """Causal (grouped-query) self-attention: heads over tp, sequence over cp.
+
+    The fused qkv rows are laid out per query group (for each key/value head, its
+    ``N/N_kv`` query heads, then its key, then its value head), so the column split hands
+    every tp rank whole groups.
+    """
+
+    def __init__(self, init: Init, prefix: str, positions: np.ndarray, load_balance: bool):
+        super().__init__()
+        cfg = init.config
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.head_dim = d
+        self.g = cfg.num_attention_heads // cfg.num_query_groups
+        self.groups = cfg.num_query_groups // init.tp.size
+        self.qkv = init.linear(ColumnParallelLinear, prefix + ".qkv", h, cfg.qkv_size,
+                               bias=cfg.bias, gather_output=False)
+        self.core = _AttentionCore(init, positions, load_balance)
+        self.proj = init.linear(RowParallelLinear, prefix + ".proj", h, h, bias=cfg.bias,
+                                out_kind="output", input_is_parallel=True)
+
+    def construct(self, x):
+        t = self.qkv(x)
+        s, b = t.shape[0], t.shape[1]
+        t = t.reshape(s, b, self.groups, self.g + 2, self.head_dim)
+        q = t[:, :, :, :self.g].reshape(s, b, self.groups * self.g, self.head_dim)
+        k = t[:, :, :, self.g]
+        v = t[:, :, :, self.g + 1]
+        o = self.core(q, k, v)
+        return self.proj(o.reshape(s, b, self.groups * self.g * self.head_dim))
+
+
+class MLP(nn.Cell):
+    """fc1 (column parallel) -> GeLU, or SwiGLU on the fused ``[gate; up]`` -> fc2 (row parallel)."""
+
+    def __init__(self, init: Init, prefix: str):
+        super().__init__()
+        cfg = init.config
+        self.swiglu = cfg.activation == "swiglu"
+        self.fc1 = init.linear(ColumnParallelLinear, prefix + ".fc1", cfg.hidden_size, cfg.fc1_size,
+                               bias=cfg.bias, stride=2 if self.swiglu else 1, gather_output=False)
+        self.fc2 = init.linear(RowParallelLinear, prefix + ".fc2", cfg.ffn_hidden_size,
+                               cfg.hidden_size, bias=cfg.bias, out_kind="output",
+                               input_is_parallel=True)
+
+    def construct(self, x):
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = ops.chunk(y, 2, -1)
+            y = gate * ops.sigmoid(gate) * up
+        else:
+            y = ops.gelu(y)
+        return self.fc2(y)
+
+
+class TransformerLayer(nn.Cell):
+    """Pre-norm layer: ``x + attention(norm(x))``, then ``+ mlp(norm(.))`` (and hidden dropout)."""
+
+    def __init__(self, init: Init, index: int, positions: np.ndarray, load_balance: bool):
+        super().__init__()
+        prefix = f"layers.{index}"
+        self.input_norm = Norm(init, prefix + ".input_norm")
+        self.attention = SelfAttention(init, prefix + ".attention", positions, load_balance)
+        self.post_attention_norm = Norm(init, prefix + ".post_attention_norm")
+        self.mlp = MLP(init, prefix + ".mlp")
+        self.dropout = float(init.config.dropout)
+        if init.config.recompute == "selective":
+            self.attention.core.recompute()
+
+    def _drop(self, x):
+        if self.dropout > 0 and self.training:
+            return ops.dropout(x, p=self.dropout)
+        return x
+
+    def construct(self, x):
+        x = x + self._drop(self.attention(self.input_norm(x)))
+        return x + self._drop(self.mlp(self.post_attention_norm(x)))
