@@ -303,3 +303,108 @@ def test_write_saves_a_layout_plan_and_verify_accept(tmp_path):
 )
 def test_suggest_option_errors(args, fragment):
     assert_bad_input(invoke("suggest", "--model", "gqa-7b", *args), fragment)
+
+
+# ------------------------------------------------------------------ zero stages, architecture, notes
+def test_suggest_zero_stages_searches_each_and_reports_the_stage():
+    args = ("suggest", "-m", "tiny-llama", "-w", 8, "--device", "cpu", "--top", 50, "--format", "json")
+    data = json.loads(invoke(*args, "--zero-stages", "0,1,2,3").stdout)
+    assert data["zero_stages"] == [0, 1, 2, 3]
+    assert {c["zero_stage"] for c in data["candidates"]} <= {0, 1, 2, 3}
+    only = {z: json.loads(invoke(*args, "--zero-stages", str(z)).stdout) for z in (0, 3)}
+    for z in (0, 3):
+        assert {c["zero_stage"] for c in only[z]["candidates"]} == {z}
+    # Searching all stages keeps, per size, a step time no worse than each single stage's.
+    best = {(c["tp"], c["cp"], c["dp"], c["pp"]): c["step_time_s"] for c in data["candidates"]}
+    for z in (0, 3):
+        for c in only[z]["candidates"]:
+            assert best[(c["tp"], c["cp"], c["dp"], c["pp"])] <= c["step_time_s"]
+    # Default: the model file's training.zero_stage (0 for tiny-llama).
+    assert json.loads(invoke(*args).stdout)["zero_stages"] == [0]
+    # The human table shows the stage column when several were searched.
+    human = invoke("suggest", "-m", "tiny-llama", "-w", 8, "--device", "cpu", "--zero-stages", "1,3")
+    assert human.exit_code == 0 and "zero" in human.stdout
+
+
+def test_suggest_write_keeps_the_chosen_zero_stage(tmp_path):
+    out = tmp_path / "best.yaml"
+    result = invoke("suggest", "-m", "tiny-gpt", "-w", 4, "--device", "cpu", "--zero-stages", "3", "--write", out)
+    assert result.exit_code == 0, result.output
+    assert load_workload(out).training.zero_stage == 3
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (("--zero-stages", "4"), ["--zero-stages '4' is invalid", "0, 1, 2, 3"]),
+    (("--zero-stages", "1,x"), ["--zero-stages '1,x' is invalid"]),
+])
+def test_bad_zero_stages_are_one_line_errors(args, fragments):
+    assert_bad_input(invoke("suggest", "-m", "tiny-gpt", "-w", 4, *args), *fragments)
+
+
+@pytest.mark.parametrize("extra,fragments", [
+    ("training:\n  zero_stage: 4\n", ["training.zero_stage=4 is invalid", "expected 0, 1, 2 or 3"]),
+    ("training:\n  zero_stage: two\n", ["training.zero_stage", "one of 0, 1, 2, 3"]),
+    ("training:\n  distributed_optimizer: true\n  zero_stage: 0\n", ["contradicts", "distributed_optimizer"]),
+    ("training:\n  context_parallel_method: zigzag\n", ["context_parallel_method='zigzag'", "ulysses"]),
+    ("training:\n  first_stage_layers: 0\n", ["first_stage_layers=0 is invalid"]),
+    ("training:\n  first_stage_layers: 1\n  account_for_loss_in_pipeline_split: true\n", ["cannot be combined"]),
+    ("  activation: relu\n", ["model.activation='relu' is invalid", "gelu, swiglu"]),
+    ("  normalization: batchnorm\n", ["model.normalization='batchnorm' is invalid"]),
+    ("  position_embedding: alibi\n", ["model.position_embedding='alibi' is invalid", "learned, rope"]),
+    ("  tie_embeddings: 1\n", ["model.tie_embeddings", "true or false"]),
+    ("  dropout: 1.5\n", ["model.dropout=1.5 is invalid", "[0, 1)"]),
+])
+def test_bad_architecture_and_training_values_exit_2(tmp_path, extra, fragments):
+    model = SMALL_MODEL + extra if extra.startswith("  ") else SMALL_MODEL + extra
+    path = write(tmp_path, model, "model.yaml")
+    assert_bad_input(invoke("plan", "cpu-4", "--model", path), path, *fragments)
+    assert_bad_input(invoke("suggest", "--model", path, "--world", "8"), path, *fragments)
+
+
+def test_plan_notes_in_json_and_on_stderr(tmp_path):
+    result = invoke("plan", "cpu-8-pp2", "-m", "tiny-gpt", "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    notes = data["notes"]
+    assert notes[0].startswith("pp=2: 1f1b runs the backward of its oldest kept forward first")
+    assert any("overlap_grad_reduce" in n for n in notes)
+    assert result.stderr.strip().splitlines() == [f"msdist: note: {n}" for n in notes]
+    assert data["model"]["runtime"] == {"stage_recompute": True}
+    assert data["model"]["training"]["overlap_grad_reduce"] is True
+    assert data["model"]["priced_training"]["overlap_grad_reduce"] is False
+    assert data["model"]["architecture"]["activation"] == "gelu" and data["model"]["zero_stage"] == 0
+    # The rich view prints the same notes on stderr.
+    human = invoke("plan", "cpu-8-pp2", "-m", "tiny-gpt")
+    assert human.exit_code == 0 and human.stderr.strip().splitlines() == [f"msdist: note: {n}" for n in notes]
+    # tp only, no dp, no pipeline: the library runs what is configured, no note.
+    quiet = invoke("plan", write(tmp_path, "world_size: 4\ntp: 4\n"), "-m", "tiny-gpt", "--format", "json")
+    assert json.loads(quiet.stdout)["notes"] == [] and quiet.stderr == ""
+
+
+def test_plan_memory_per_stage_with_unequal_stages(tmp_path):
+    model = write(tmp_path, SMALL_MODEL.replace("num_layers: 4", "num_layers: 5")
+                  + "training:\n  first_stage_layers: 2\n  zero_stage: 3\n", "model.yaml")
+    layout = write(tmp_path, "world_size: 4\npp: 2\n", "layout.yaml")
+    data = json.loads(invoke("plan", layout, "--model", model, "--format", "json", "--schedule", "1f1b").stdout)
+    assert [s["layers"] for s in data["memory"]["stages"]] == [2, 3]
+    assert data["model"]["stage_layers"] == [2, 3] and data["schedule"]["stage_layers"] == [2, 3]
+    assert all(s["zero_stage"] == 3 and s["gathered_bytes"] > 0 for s in data["memory"]["stages"])
+    assert any(n.startswith("--schedule: the model stages hold unequal layers [2, 3]") for n in data["notes"])
+    human = invoke("plan", layout, "--model", model, "--schedule", "1f1b")
+    assert human.exit_code == 0 and "gathered" in human.stdout and "ZeRO stage 3" in human.stdout
+
+
+def test_calibrate_from_a_training_report(tmp_path):
+    report = {"measured": {"step_time_s": 0.5}, "predicted": {"step_time_s": 0.25, "breakdown": {}},
+              "layout": {"tp": 2}, "model": {"name": "tiny-gpt"}, "training": {}, "steps": [],
+              "cluster": {"peak_tflops": 0.1, "compute_efficiency": 0.5}}
+    path = write(tmp_path, json.dumps(report), "train.json")
+    data = json.loads(invoke("plan", "cpu-4", "-m", "tiny-gpt", "--calibrate", path, "--format", "json").stdout)
+    cluster = data["model"]["cluster"]
+    # 0.1 x 0.5 TFLOP/s predicted a step twice as fast as measured: 0.025 TFLOP/s on the cpu-4 layout's peak.
+    assert cluster["peak_tflops"] * cluster["compute_efficiency"] == pytest.approx(0.025)
+    assert data["model"]["cluster_sources"]["compute_efficiency"].startswith(f"{path}: training run")
+    bad = dict(report, measured={"step_time_s": 0})
+    path = write(tmp_path, json.dumps(bad), "bad.json")
+    assert_bad_input(invoke("plan", "cpu-4", "-m", "tiny-gpt", "--calibrate", path), path,
+                     "measured.step_time_s is 0", "msdist train")

@@ -3,6 +3,7 @@
 Expected values are written out by hand from the papers' formulas (not from the module).
 """
 
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -18,13 +19,18 @@ from mindscience.distributed.costmodel import (
     Workload,
     check,
     estimate,
+    load_workload,
     layer_activation_bytes,
     stage_parameters,
     stage_rows,
     total_parameters,
     violations,
 )
-from mindscience.distributed.costmodel.comm import send_factor, traffic
+from mindscience.distributed.costmodel.comm import send_factor, traffic, zero_traffic
+from mindscience.distributed.costmodel.memory import bytes_per_parameter
+from mindscience.distributed.costmodel.params import layer_parameters
+from mindscience.distributed.costmodel.runtime import Runtime, what_runs
+from mindscience.distributed.costmodel.steptime import stage_slot_flops, step_time
 from mindscience.distributed.costmodel.report import memory_report
 from mindscience.distributed.topology import Layout
 
@@ -325,3 +331,220 @@ def test_docstring_examples_hold():
                    steptime, layout):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+# ------------------------------------------------------------------ C4 architecture options (parameters)
+TINY_GPT = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=64,
+                     vocab_size=256)
+TINY_LLAMA = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                       seq_length=64, vocab_size=256, normalization="rmsnorm", activation="swiglu",
+                       position_embedding="rope", tie_embeddings=False, bias=False)
+
+
+def test_tiny_presets_parameters_by_hand():
+    # tiny-gpt layer: norms 2 x 2*64, qkv 64*192 + 192, out 64*64 + 64, fc1 64*256 + 256, fc2 256*64 + 64.
+    layer = 2 * 128 + (64 * 192 + 192) + (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)
+    assert layer == 49_984
+    assert total_parameters(TINY_GPT) == 4 * layer + 256 * 64 + 64 * 64 + 128 == 220_544
+    # tiny-llama layer: norms 2 x 64, qkv 64*(64 + 2*2*16), out 64*64, fc1 64*(2*128) (gate + up), fc2 128*64.
+    layer = 2 * 64 + 64 * 128 + 64 * 64 + 64 * 256 + 128 * 64
+    assert layer == 36_992
+    # embedding 256*64, final norm 64, untied output 256*64, no position table.
+    assert total_parameters(TINY_LLAMA) == 4 * layer + 256 * 64 + 64 + 256 * 64 == 180_800
+    for name, model in (("tiny-gpt", TINY_GPT), ("tiny-llama", TINY_LLAMA)):
+        preset = load_workload(f"layouts/models/{name}.yaml")
+        assert total_parameters(preset.model) == total_parameters(model)
+        assert (preset.training.micro_batch_size, preset.training.global_batch_size, preset.training.precision,
+                preset.training.zero_stage, preset.training.recompute) == (2, 8, "fp32", 0, "none")
+
+
+@pytest.mark.parametrize("normalization", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("position", ["learned", "rope"])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_architecture_combination_counts_c4_and_the_model_config(normalization, activation, position, tied,
+                                                                        bias):
+    h, f, g, d, s, v, l = 48, 96, 2, 12, 40, 120, 3
+    model = ModelSpec(num_layers=l, hidden_size=h, num_attention_heads=4, num_query_groups=g, ffn_hidden_size=f,
+                      seq_length=s, vocab_size=v, normalization=normalization, activation=activation,
+                      position_embedding=position, tie_embeddings=tied, bias=bias)
+    # Contract C4, written out term by term.
+    norm = 2 * h if normalization == "layernorm" else h
+    fc1 = 2 * f if activation == "swiglu" else f
+    qkv = h + 2 * g * d
+    layer = (2 * norm + h * qkv + h * h + h * fc1 + f * h
+             + (qkv + h + fc1 + h if bias else 0))
+    total = l * layer + v * h + (s * h if position == "learned" else 0) + norm + (0 if tied else v * h)
+    assert total_parameters(model) == total
+    from mindscience.distributed.models.config import TransformerConfig
+
+    assert TransformerConfig.from_model_spec(model).num_parameters() == total
+
+
+def test_stage_parameters_hold_the_untied_head_and_the_tied_copy():
+    # pp = 2 on tiny-llama (untied): stage 1 holds 2 layers, the final norm and the V/t x h head.
+    layer = 36_992
+    assert stage_parameters(TINY_LLAMA, 1, 2, 0) == (2 * (layer - 2 * 64) + 256 * 64, 2 * 2 * 64)
+    assert stage_parameters(TINY_LLAMA, 1, 2, 1) == (2 * (layer - 2 * 64) + 256 * 64, 2 * 2 * 64 + 64)
+    # pp = 1, tied: no copy (the embedding is the head).
+    assert sum(stage_parameters(TINY_GPT, 1, 1, 0)) == 220_544
+    # tp = 2: split parts halve, replicated ones (norms, row-parallel biases, positions) stay.
+    split, whole = stage_parameters(TINY_GPT, 2, 1, 0)
+    assert whole == 4 * (2 * 128 + 2 * 64) + 64 * 64 + 128
+    assert 2 * split + whole == 220_544
+
+
+# ------------------------------------------------------------------ ZeRO stages (contract C2)
+@pytest.mark.parametrize("precision,expected", [
+    ("bf16", [(2, 4, 12), (2, 4, 12 / 4), (2, 4 / 4, 12 / 4), (2 / 4, 4 / 4, 12 / 4)]),
+    ("fp32", [(4, 4, 8), (4, 4, 12 / 4), (4, 4 / 4, 12 / 4), (4 / 4, 4 / 4, 12 / 4)]),
+])
+def test_bytes_per_parameter_of_every_zero_stage(precision, expected):
+    # d = dp * cp = 4 and every dim 0 of this model divides by 4: no padding, so the bytes are P x C2's figures.
+    model = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256)
+    params = total_parameters(model)
+    for z, (w, g, o) in enumerate(expected):
+        assert bytes_per_parameter(precision, z, 4) == {"weights": w, "gradients": g, "optimizer": o}
+        row = stage_rows(model, TrainingSpec(precision=precision, zero_stage=z, global_batch_size=8), 1, 2, 1, 2)[0]
+        assert row["parameters"] == params and row["zero_stage"] == z
+        assert (row["weights_bytes"], row["gradients_bytes"], row["optimizer_bytes"]) == (w * params, g * params,
+                                                                                         o * params)
+    # C2's totals: bf16 18, 6 + 12/d, 2 + 16/d, 18/d; fp32 16, 8 + 12/d, 4 + 16/d, 20/d.
+    totals = [sum(bytes_per_parameter(precision, z, 4).values()) for z in range(4)]
+    assert totals == ([18, 9, 6, 4.5] if precision == "bf16" else [16, 11, 8, 5])
+
+
+def test_zero_shards_are_padded_per_parameter():
+    # d = 3 on tiny-gpt: a (r, *rest) parameter keeps ceil(r/3) rows. Per layer: norms 4 x 22, qkv 64 x 64,
+    # its bias 64, out 22 x 64 and bias 22, fc1 86 x 64 and bias 86, fc2 22 x 256 and bias 22.
+    layer = 4 * 22 + 64 * 64 + 64 + 22 * 64 + 22 + 86 * 64 + 86 + 22 * 256 + 22
+    assert layer == 16_922
+    padded = 4 * layer + 86 * 64 + 22 * 64 + 2 * 22  # + word embedding, positions, final norm
+    assert padded == 74_644
+    training = TrainingSpec(precision="fp32", zero_stage=3, global_batch_size=6)
+    row = stage_rows(TINY_GPT, training, 1, 1, 1, 3)[0]
+    assert row["weights_bytes"] == 4 * padded and row["gradients_bytes"] == 4 * padded
+    assert row["optimizer_bytes"] == 12 * padded
+    # Stage 3 keeps the stage's gathered weights for a micro-batch (fully_shard, no reshard).
+    assert row["gathered_bytes"] == 4 * 220_544
+    # Stage 1 on the same layout: weights and gradients whole, only the optimizer state padded.
+    one = stage_rows(TINY_GPT, replace(training, zero_stage=1), 1, 1, 1, 3)[0]
+    assert (one["weights_bytes"], one["gradients_bytes"], one["optimizer_bytes"], one["gathered_bytes"]) == (
+        4 * 220_544, 4 * 220_544, 12 * padded, 0)
+
+
+def test_zero_stage_traffic_by_hand():
+    # tiny-gpt fp32 on dp = 2 (every dim 0 is even: no padding), m = 8 / (2 * 2) = 2 micro-batches.
+    params, tensors = 220_544, 4 * 12 + 1 + 1 + 2
+    base = TrainingSpec(precision="fp32", micro_batch_size=2, global_batch_size=8)
+
+    def dp_rows(z, runtime=None):
+        rows = traffic(TINY_GPT, replace(base, zero_stage=z), 1, 1, 1, 2, runtime)
+        return {r["op"]: (r["count"], r["bytes"]) for r in rows if r["group"] == "dp-cp"}
+
+    all_reduce = params * 4 * 2 * 1 // 2  # 2(n-1)/n of the fp32 gradients
+    assert dp_rows(0) == {"all_reduce": (1, all_reduce)}
+    # Stages 1-2: reduce-scatter of fp32 gradients + all-gather of the fp32 weights: the bytes of the all-reduce.
+    assert dp_rows(1) == dp_rows(2) == {"reduce_scatter": (1, params * 4 // 2), "all_gather": (1, params * 4 // 2)}
+    # Stage 3: per parameter and micro-batch one all-gather (forward) and one reduce-scatter (backward).
+    assert dp_rows(3) == {"all_gather": (tensors * 2, 2 * params * 4 // 2),
+                          "reduce_scatter": (tensors * 2, 2 * params * 4 // 2)}
+    # With the pipeline runtime's re-run forward the weights are gathered twice: 1.5x an all-reduce per
+    # micro-batch (Rajbhandari et al. 2020).
+    again = zero_traffic(TINY_GPT, replace(base, zero_stage=3), 1, 1, 2, 1, regather=True)
+    per_microbatch = sum(r["bytes"] for r in again)
+    assert per_microbatch == 3 * params * 4 // 2 == 1.5 * all_reduce
+
+
+def test_zero3_step_time_exposes_the_gathers():
+    unit = ClusterSpec(peak_tflops=1, compute_efficiency=1, intra_node_gbps=1, intra_node_latency_us=10)
+    training = TrainingSpec(precision="fp32", micro_batch_size=2, global_batch_size=8, zero_stage=3)
+    t = step_time(TINY_GPT, training, unit, 1, 1, 1, 2)
+    rows = [r for r in traffic(TINY_GPT, training, 1, 1, 1, 2) if r["group"] == "dp-cp"]
+    expected = sum(r["count"] * 10e-6 + r["bytes"] / 1e9 for r in rows)
+    assert t["breakdown"]["dp_s"] == pytest.approx(expected)  # overlap_grad_reduce hides nothing at stage 3
+
+
+# ------------------------------------------------------------------ unequal stages
+TOY5 = ModelSpec(num_layers=5, hidden_size=4, num_attention_heads=1, seq_length=8, vocab_size=0)
+
+
+def test_unequal_stages_memory_and_step_time_by_hand():
+    # 5 layers on pp = 2 with first_stage_layers = 2: [2, 3]; one toy layer = 4096 forward FLOPs.
+    training = TrainingSpec(first_stage_layers=2, global_batch_size=4, sequence_parallel=False, precision="fp32")
+    assert violations(TOY5, training, 1, 1, 2, 1) == []
+    rows = stage_rows(TOY5, training, 1, 1, 2, 1)
+    assert [r["layers"] for r in rows] == [2, 3]
+    layer = sum(layer_parameters(TOY5))
+    assert rows[0]["parameters"] == 2 * layer + 8 * 4  # + the learned positions
+    assert rows[1]["parameters"] == 3 * layer + 2 * 4  # + the final layernorm
+    unit = ClusterSpec(peak_tflops=1, compute_efficiency=1)
+    # Korthikanti pricing: the busiest stage is stage 1 (3 layers): slot 3 x 3 x 4096 FLOPs, m = 4.
+    t = step_time(TOY5, training, unit, 1, 1, 2, 1)
+    assert t["breakdown"]["compute_s"] == pytest.approx(4 * 3 * 3 * 4096 / 1e12)
+    # As the library runs it: stage 0 re-runs its 2 layers' forward (4 x 2 x 4096 = 32,768 < 36,864).
+    training, runtime, notes = what_runs(training, 1, 1, 2, 1)
+    t = step_time(TOY5, training, unit, 1, 1, 2, 1, runtime=runtime)
+    assert t["breakdown"]["compute_s"] == pytest.approx(4 * 3 * 3 * 4096 / 1e12)
+    # with 1 + 4 layers stage 0's re-run does not matter either; with 4 + 1 it decides: 4 x 4 x 4096.
+    heavy = replace(training, first_stage_layers=4)
+    t = step_time(TOY5, heavy, unit, 1, 1, 2, 1, runtime=runtime)
+    assert t["breakdown"]["compute_s"] == pytest.approx(4 * 4 * 4 * 4096 / 1e12)
+    # A cut that does not work is a constraint naming the options.
+    bad = violations(TOY5, TrainingSpec(first_stage_layers=4, last_stage_layers=2), 1, 1, 2, 1)
+    assert [n for n, _ in bad] == ["num_layers % pp"] and "first_stage_layers=4" in bad[0][1]
+    assert "first_stage_layers" in violations(TOY5, TrainingSpec(), 1, 1, 2, 1)[0][1]
+
+
+def test_llama3_stage_cut_counts_the_embedding_and_the_loss():
+    llama = ModelSpec(num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
+                      ffn_hidden_size=53248, seq_length=8192, vocab_size=128256, normalization="rmsnorm",
+                      activation="swiglu", position_embedding="rope", tie_embeddings=False, bias=False)
+    training = TrainingSpec(zero_stage=3, account_for_embedding_in_pipeline_split=True,
+                            account_for_loss_in_pipeline_split=True, global_batch_size=2048)
+    rows = stage_rows(llama, training, 8, 1, 16, 64)
+    assert [r["layers"] for r in rows] == [7] + [8] * 14 + [7]
+    assert violations(llama, TrainingSpec(), 8, 1, 16, 64)[0][0] == "num_layers % pp"  # 126 % 16 evenly: no
+    assert violations(llama, training, 8, 1, 16, 64) == []
+
+
+# ------------------------------------------------------------------ what the library runs (notes)
+def test_what_runs_notes_and_prices_the_runtime():
+    training = TrainingSpec(recompute="selective")
+    priced, runtime, notes = what_runs(training, tp=2, cp=1, pp=2, dp=2)
+    assert runtime.stage_recompute is True and priced.overlap_grad_reduce is False
+    assert notes[0].startswith("pp=2: 1f1b runs the backward of its oldest kept forward first")
+    assert "priced as not overlapped" in notes[1]
+    # pp = 1, dp = 1: nothing differs, no note.
+    assert what_runs(training, 1, 1, 1, 1) == (training, Runtime(stage_recompute=False), [])
+    # recompute full asked on pp = 2: the runtime's own reason.
+    assert what_runs(TrainingSpec(recompute="full"), 1, 1, 2, 1)[2][0].startswith("pp=2: recompute='full'")
+    # ZeRO-3 says how fully_shard gathers; overlap is irrelevant there.
+    notes = what_runs(TrainingSpec(zero_stage=3), 1, 1, 1, 4)[2]
+    assert len(notes) == 1 and notes[0].startswith("zero_stage 3: fully_shard")
+
+
+def test_estimate_prices_the_pipeline_runtime_and_reports_notes():
+    # GPT-3 tp8 x pp8: the runtime keeps one stage input per micro-batch in flight and one micro-batch of
+    # the stage's activations: stage 0 holds 8 token-id inputs, 12 layers x 34/t sbh of one micro-batch,
+    # the recomputed scores of one layer and the embedding's own (its dropout mask).
+    training = TrainingSpec(global_batch_size=1536, recompute="selective")
+    layout = Layout(world_size=64, tp=8, pp=8, devices_per_node=8)
+    report = estimate(layout, Workload(model=GPT3, training=training))
+    first = report["memory"]["stages"][0]
+    layer, scores = 106_954_752, 4 * A * S * S // 8
+    assert first["activations_bytes"] == 8 * (8 * S) + 12 * layer + scores + SBH // 8
+    last = report["memory"]["stages"][7]
+    # The last stage: one stage input (its input gradient), its 12 layers, the scores, the output layer's inputs.
+    assert last["activations_bytes"] == SBH * 2 // 8 + 12 * layer + scores + 4 * SBH // 8 * (1 + Fraction(V, H))
+    assert report["model"]["runtime"] == {"stage_recompute": True}
+    assert report["model"]["priced_training"]["recompute"] == "selective"
+    assert report["notes"] and report["notes"][0].startswith("pp=8:")
+    # Compute: stages 0-6 re-run their 12 layers' forward (4 passes), stage 7 adds the logits without a
+    # re-run (3 passes of 12 layers + logits): a re-running stage is busier (the later one on the tie).
+    slot = stage_slot_flops(GPT3, training, 8, 1, 8, Runtime(stage_recompute=True))
+    layer = 24 * S * H * H + 4 * S * S * H
+    assert slot["stage"] == 6
+    assert slot["total"] == pytest.approx((4 * 12 * layer + 12 * 4 * S * S * H) / 8)  # + selective scores
+    assert report["time"]["slot_s"] * 150e12 == pytest.approx(slot["total"])

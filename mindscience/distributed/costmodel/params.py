@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from math import prod
 
-from ..pipeline.split import stage_layers
 from .spec import ModelSpec, TrainingSpec
 
 
@@ -124,6 +123,9 @@ def model_stage_layers(model: ModelSpec, training: TrainingSpec | None, pp: int)
     v = training.virtual_pipeline_stages if pp > 1 else 1
     if pp == 1:  # one stage holds everything: the cut options have nothing to cut
         return [model.num_layers]
+    # Imported here: pipeline.split imports costmodel.errors, so either package may load first.
+    from ..pipeline.split import stage_layers
+
     return stage_layers(
         model.num_layers, pp, v, first_stage_layers=training.first_stage_layers,
         last_stage_layers=training.last_stage_layers,
