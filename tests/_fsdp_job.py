@@ -1,0 +1,82 @@
+"""The ONE msrun job of test_fsdp.py: 4 ranks, every multi-process fully_shard check.
+
+Layouts (each rebuilt by the checks with manager.initialize_parallel): dp4, tp2 x dp2
+and pp2 x dp2. Compiled modes dominate the time (each compiles one model; measured
+15-45 s per graph on the shared 2-core machine), so each compiled mode appears once per
+layout that needs it: ms.jit at dp4 and under the pipeline, GRAPH_MODE at tp2 x dp2.
+
+``python tests/_fsdp_job.py`` runs it and prints every rank's records (the bench uses
+the "fsdp.bench" check the same way, see docs/_bench/fsdp.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+WORLD_SIZE = 4
+TIMEOUT_S = 420
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SPEC = {
+    "modules": ["_fsdp_checks"],
+    "checks": [
+        {"name": "fsdp.parity", "params": {"tp": 1, "modes": ["pynative", "jit"],
+                                           "reshard": [False, True]}},
+        {"name": "fsdp.compiled_reshard_refused", "params": {}},
+        {"name": "fsdp.train", "params": {"steps": 5}},
+        {"name": "fsdp.parity", "params": {"tp": 2, "modes": ["pynative", "graph"]}},
+        {"name": "fsdp.pipeline", "params": {"schedules": ["1f1b", "gpipe"],
+                                             "modes": ["pynative", "jit"]}},
+    ],
+}
+
+
+def _env():
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": HERE + (os.pathsep + path if path else "")}
+
+
+@functools.lru_cache(maxsize=None)
+def run_job():
+    """Launch the battery once per session; returns the harness LaunchResult."""
+    from mindscience.distributed.harness import launch
+
+    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=_env())
+
+
+def run_spec(spec, timeout=TIMEOUT_S):
+    from mindscience.distributed.harness import launch
+
+    return launch(spec, WORLD_SIZE, timeout=timeout, env=_env())
+
+
+def describe_failures(result) -> str:
+    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
+    for failure in result.failures:
+        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
+        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-15:])
+    return "\n".join(lines)
+
+
+def records_of(result, check: str) -> list:
+    """Every rank's records of the check named ``check``."""
+    out = []
+    for rank, state in sorted(result.ranks.items()):
+        for record in (state or {}).get("records", []):
+            if record.get("check") == check:
+                out.append(record)
+    return out
+
+
+if __name__ == "__main__":
+    spec = SPEC
+    if len(sys.argv) > 1 and sys.argv[1] == "bench":
+        spec = {"modules": ["_fsdp_checks"], "checks": [{"name": "fsdp.bench", "params": {}}]}
+    result = run_spec(spec)
+    print(describe_failures(result))
+    for rank, state in sorted(result.ranks.items()):
+        for record in (state or {}).get("records", []):
+            print(rank, json.dumps(record))
