@@ -133,10 +133,11 @@ class _Leg:
         if shard:
             fully_shard(self.net)
         schedule = nn.PolynomialDecayLR(LR, LR_END, total_steps, power=1.0)
-        self.opt = DistributedOptimizer(self.net.trainable_params(), lr=schedule,
-                                        weight_decay=WD, zero_stage=stage)
+        params = self.net.trainable_params()
+        self.opt = DistributedOptimizer(params, lr=schedule, weight_decay=WD, zero_stage=stage)
         self.cell = nn.CellList([self.net, self.opt])
-        self.grad_fn = ms.value_and_grad(self.net, None, self.opt.params)
+        self.grad_fn = ms.value_and_grad(self.net, None, params)
+        self.params = params
 
     def train(self, batches) -> list:
         import mindspore as ms
@@ -236,7 +237,7 @@ def chain(ctx, legs=(2, 2)) -> list:
     lay = reinit(manager, {"tp": 1})
     leg = _Leg(stage=3, seed=7, total_steps=steps, shard=True)
     losses = leg.train(batches[:a])
-    shapes = {p.name: (list(p.shape), list(p.fsdp.full_shape)) for p in leg.opt.params}
+    shapes = {p.name: (list(p.shape), list(p.fsdp.full_shape)) for p in leg.params}
     checkpoint.save(leg.cell, first, step=a)
     records.append(_leg_record("ckzero.chain", lay, leg, losses, want[:a], started,
                                extra={"leg": 0, "fsdp_shapes": shapes}))

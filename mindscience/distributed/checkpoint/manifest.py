@@ -12,6 +12,8 @@ A checkpoint is a directory::
     {"format": "msdist-checkpoint", "format_version": 2, "step": 10, "extra": {...},
      "layout": {"world_size": 4, "tp": 2, "cp": 1, "dp": 2, "pp": 1, "order": "tp-cp-dp-pp"},
      "layer_prefixes": ["layers"],
+     "optimizers": [{"class": "DistributedOptimizer", "kind": "adamw", "zero_stage": 1,
+                     "state": ["exp_avg", "exp_avg_sq"], "group_size": 2}],
      "files": {"rank_00000.safetensors": {"rank": 0, "bytes": 1234, "crc32": "89ab01cd"}},
      "parameters": {"layers.0.mlp.fc1.weight": {
          "shape": [64, 16], "dtype": "F32", "stage": 0, "layer": 0, "position": 3,
@@ -22,14 +24,17 @@ A checkpoint is a directory::
                      "block_bytes": 1048576, "block_crc32": "0a1b2c3d..."}, ...],
          "copies": []}}}
 
-``shards`` hold each element exactly once; ``copies`` are further identical pieces (a
-parameter that several pipeline stages hold, such as the optimizer's step counter),
-checked to agree. ``layer`` is the parameter's global layer index (None outside the
-layers; for optimizer state, that of its ``base`` parameter), ``position`` its index in
-its stage's parameter order (an optimizer state has its base's): with them an offline
-reshard places parameters on pipeline stages (:mod:`.plan`). ``block_crc32`` (see
-:mod:`.blocks`) lets ``load`` verify only the blocks it reads. Version 1 (no blocks, no
-layer/position) is still read: its tensors are verified whole.
+``optimizers`` (only when the saved cell held optimizers) says what they were, so that
+``load`` refuses another kind (see :mod:`.zero`: sharded optimizer state is saved
+unsharded, so the stage and group size may differ). ``shards`` hold each element exactly
+once; ``copies`` are further identical pieces (a parameter that several pipeline stages
+hold, such as the optimizer's step counter), checked to agree. ``layer`` is the
+parameter's global layer index (None outside the layers; for optimizer state, that of
+its ``base`` parameter), ``position`` its index in its stage's parameter order (an
+optimizer state has its base's): with them an offline reshard places parameters on
+pipeline stages (:mod:`.plan`). ``block_crc32`` (see :mod:`.blocks`) lets ``load``
+verify only the blocks it reads. Version 1 (no blocks, no layer/position) is still read:
+its tensors are verified whole.
 See :mod:`.plan` for pieces and :mod:`.files` for checksums.
 
 Crash window of a save replacing ``DIR``: :mod:`.writer` swaps ``DIR.partial`` and

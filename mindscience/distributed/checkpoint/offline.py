@@ -56,7 +56,8 @@ def inspect(directory: str, checksums: bool = True, progress=None) -> dict:
 
     Returns a dict with ``ok``, ``complete``, ``problems`` (one line each, naming the
     file or parameter), ``notes`` (e.g. read from ``DIR.partial``: see
-    :func:`~.manifest.open_manifest`), ``layout``, ``step``, ``parameters`` (name,
+    :func:`~.manifest.open_manifest`), ``layout``, ``step``, ``optimizers`` (what the
+    saved cell's optimizers were, see :mod:`.zero`; None if not recorded), ``parameters`` (name,
     shape, dtype, sharding, bytes, stage, shards, copies), ``files`` (file, rank, bytes,
     crc32, status) and ``checksums`` (whether they were verified: each file's, each
     tensor's and each block's).
@@ -79,7 +80,7 @@ def inspect(directory: str, checksums: bool = True, progress=None) -> dict:
         data["notes"].append(note)
     data.update(complete=True, layout=manifest["layout"], step=manifest.get("step"),
                 extra=manifest.get("extra"), format_version=manifest["format_version"],
-                source=source)
+                source=source, optimizers=manifest.get("optimizers"))
     problems = data["problems"]
     headers, tensor_crcs, block_crcs = {}, {}, {}
     sizes = {s["file"]: s.get("block_bytes") for e in manifest["parameters"].values()

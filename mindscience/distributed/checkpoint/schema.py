@@ -143,6 +143,11 @@ def validate_manifest(manifest: dict, path: str, version: int) -> None:
             c.fail(f"file {file!r}: bytes={info.get('bytes')!r}")
         if not isinstance(info.get("crc32"), str) or not _HEX8.match(info["crc32"]):
             c.fail(f"file {file!r}: crc32={info.get('crc32')!r}, expected 8 hex digits")
+    optimizers = manifest.get("optimizers")
+    if optimizers is not None:
+        for i, record in enumerate(c.seq(optimizers, '"optimizers"')):
+            if not isinstance(record, dict) or not isinstance(record.get("class"), str):
+                c.fail(f"optimizers[{i}]={record!r}, expected an object with a string \"class\"")
     params = c.mapping(manifest.get("parameters"), '"parameters"')
     for name, entry in params.items():
         _parameter(c, name, entry, layout, version)

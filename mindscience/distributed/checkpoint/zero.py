@@ -100,15 +100,22 @@ def discover(cell) -> tuple:
                         "state": list(opt.state_names), "zero_stage": int(opt.stage),
                         "group_size": int(opt.d)})
         group = opt.group if opt.stage > 0 else None
+        params = _model_params(opt)
         groups = [("main", list(opt.mains))] + [("moment", list(m)) for m in opt.moments]
         for role, states in groups:
             # mains: one per parameter, or none (a float32 model at stage 0)
             for i, state in enumerate(states):
-                infos[id(state)] = ShardInfo(opt.params[i], group, tuple(opt.shards[i].shape),
+                infos[id(state)] = ShardInfo(params[i], group, tuple(opt.shards[i].shape),
                                              role, opt, i)
         infos[id(opt.step)] = ShardInfo(None, None, tuple(opt.step.shape), "step", opt)
         transient.update(id(b) for b in opt.grad_buffers)
     return infos, transient, records
+
+
+def _model_params(opt) -> list:
+    """The parameters ``opt`` steps, in its order (``model_params``; ``params`` before)."""
+    params = getattr(opt, "model_params", None)
+    return list(params if params is not None else opt.params)
 
 
 def gather_full(items: list) -> list:
