@@ -171,7 +171,9 @@ class DistributedOptimizer(nn.Cell):
         self.num_params = len(params)
         self.shapes = tuple(shapes)
         self.dtype_names = tuple(dtype_names)
-        self.params = ParameterTuple(params)
+        self.model_params = ParameterTuple(params)
+        # Dtypes as constants: reading them off the tuple's items failed in GRAPH_MODE.
+        self.param_dtypes = tuple(p.dtype for p in params)
         full = [tuple(p.fsdp.full_shape) if self.stage == 3 else s for p, s in zip(params, shapes)]
         self.shards = tuple(param_shard(s, self.d) for s in full)
         sharded = self.stage > 0
@@ -284,7 +286,7 @@ class DistributedOptimizer(nn.Cell):
         state = list(self.mains)
         for group in self.moments:
             state.extend(group)
-        return {"weights": sum(_nbytes(p) for p in self.params),
+        return {"weights": sum(_nbytes(p) for p in self.model_params),
                 "gradients": sum(_nbytes(b) for b in self.grad_buffers),
                 "optimizer": sum(_nbytes(p) for p in state)}
 
@@ -416,7 +418,7 @@ class DistributedOptimizer(nn.Cell):
             if self.has_main:
                 w = self.mains[i]
             else:
-                w = self.params[i]
+                w = self.model_params[i]
             if self.kind == "sgd":
                 buf = self.m1[i] if self.has_momentum else None
                 value = rules.sgd(w, shards[i], buf, lr, self.momentum, self.wd, self.has_momentum)
@@ -436,20 +438,22 @@ class DistributedOptimizer(nn.Cell):
                 done.append(self._gather(new, self.buckets[b]))
         else:
             for i in range(self.num_params):
-                p = self.params[i]
-                done.append(self._assign(p, ops.cast(new[i], p.dtype)))
+                done.append(self._assign(i, new[i]))
         return done
 
-    def _assign(self, p, value):
-        if p.dtype == mstype.bfloat16 and not compiling():
+    def _assign(self, i, value):
+        """Write ``value`` (cast to the parameter's dtype) into parameter ``i``."""
+        dtype = self.param_dtypes[i]
+        value = ops.cast(value, dtype)
+        if dtype == mstype.bfloat16 and not compiling():
             # The CPU Assign kernel has no bfloat16 (measured); an in-place copy has. In
             # compiled code on CPU bf16 parameters cannot be written (Ascend/GPU can).
-            return p.copy_(value)
-        return ops.assign(p, value)
+            return self.model_params[i].copy_(value)
+        return ops.assign(self.model_params[i], value)
 
     def _gather(self, new, bucket):
         """All-gather the bucket's updated shards (model dtype) into its parameters."""
-        dtype = self.params[bucket.members[0]].dtype
+        dtype = self.param_dtypes[bucket.members[0]]
         if compiling() and dtype == mstype.bfloat16:
             # CPU graph kernels of Reshape/Split lack bfloat16; the cast back is exact.
             dtype = mstype.float32
@@ -463,10 +467,9 @@ class DistributedOptimizer(nn.Cell):
         for j in range(len(bucket.members)):
             i = bucket.members[j]
             sh = self.shards[i]
-            p = self.params[i]
             w = cols[j].reshape((self.d * sh.shard_rows, sh.rest))
             if sh.pad:
                 w = w[: sh.rows]
-            done.append(self._assign(p, ops.cast(w.reshape(self.shapes[i]), p.dtype)))
+            done.append(self._assign(i, w.reshape(self.shapes[i])))
         return done
 
