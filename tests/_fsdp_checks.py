@@ -56,16 +56,16 @@ def _model_classes():
             return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + 1e-6) * self.weight
 
     class Block(nn.Cell):
-        def __init__(self, sp):
+        def __init__(self, sp, hidden=HIDDEN, ffn=FFN):
             super().__init__()
-            self.norm = RMSNorm(HIDDEN)
-            self.fc1 = ColumnParallelLinear(HIDDEN, FFN, gather_output=False,
+            self.norm = RMSNorm(hidden)
+            self.fc1 = ColumnParallelLinear(hidden, ffn, gather_output=False,
                                             use_sequence_parallel=sp, compute_dtype=None)
-            self.fc2 = RowParallelLinear(FFN, HIDDEN, input_is_parallel=True,
+            self.fc2 = RowParallelLinear(ffn, hidden, input_is_parallel=True,
                                          use_sequence_parallel=sp, compute_dtype=None)
-            self.ln = nn.LayerNorm((HIDDEN,))
-            self.dense = nn.Dense(HIDDEN, HIDDEN)
-            self.lin = mint.nn.Linear(HIDDEN, HIDDEN)
+            self.ln = nn.LayerNorm((hidden,))
+            self.dense = nn.Dense(hidden, hidden)
+            self.lin = mint.nn.Linear(hidden, hidden)
             if sp:  # replicated parameters that see this tp rank's tokens only
                 for p in (self.norm.weight, self.ln.gamma, self.ln.beta, self.dense.weight,
                           self.dense.bias, self.lin.weight, self.lin.bias):
@@ -76,14 +76,14 @@ def _model_classes():
             return self.lin(ops.tanh(self.dense(self.ln(h))))
 
     class Net(nn.Cell):
-        def __init__(self, sp):
+        def __init__(self, sp, vocab=VOCAB, hidden=HIDDEN, ffn=FFN):
             super().__init__()
             from mindscience.distributed import manager
 
             self.tp = manager.get_tensor_parallel_group()  # compiled code cannot look it up
-            self.embed = VocabParallelEmbedding(VOCAB + (VOCAB % 2), HIDDEN, sequence_parallel=sp)
-            self.block = Block(sp)
-            self.head = ColumnParallelLinear(HIDDEN, VOCAB + (VOCAB % 2), bias=False,
+            self.embed = VocabParallelEmbedding(vocab + (vocab % 2), hidden, sequence_parallel=sp)
+            self.block = Block(sp, hidden, ffn)
+            self.head = ColumnParallelLinear(hidden, vocab + (vocab % 2), bias=False,
                                              gather_output=False, use_sequence_parallel=sp,
                                              compute_dtype=None)
 
@@ -94,7 +94,7 @@ def _model_classes():
     return Net, Block
 
 
-def _build(seed, sp, shard=False, reshard=False):
+def _build(seed, sp, shard=False, reshard=False, **dims):
     import mindspore as ms
 
     from mindscience.distributed import fully_shard
@@ -102,7 +102,7 @@ def _build(seed, sp, shard=False, reshard=False):
     Net, _ = _model_classes()
     ms.set_seed(seed)
     np.random.seed(seed)
-    net = Net(sp)
+    net = Net(sp, **dims)
     if shard:
         fully_shard(net, reshard_after_forward=reshard)
     return net
@@ -373,3 +373,57 @@ def train(ctx, steps=5, lr=1e-3, weight_decay=0.01):
             "pad_weight": pads, "memory_bytes": memory, "per_param": per_param,
             "passed": loss_err <= 1e-6 and worst <= 1e-6 and pads == 0.0
             and losses[-1] < losses[0]}
+
+
+def _param_bytes(net):
+    return int(sum(int(np.prod(p.shape)) * 4 for p in net.trainable_params()))
+
+
+@check("fsdp.bench")
+def bench(ctx, vocab=4096, hidden=512, ffn=2048, seq=128, batch=4, steps=5,
+          modes=("pynative", "jit")):
+    """Per-rank parameter bytes before/after fully_shard at dp4 and the step time
+    (forward + backward + GradientFinalizer; median of ``steps`` after one warm-up)."""
+    import statistics
+
+    import mindspore as ms
+
+    from mindscience.distributed import GradientFinalizer, manager
+
+    _layout(tp=1)
+    dp = manager.get_data_context_parallel_group()
+    rng = np.random.default_rng(dp.rank)
+    ids = ms.Tensor(rng.integers(0, vocab, (seq, batch)).astype(np.int32))
+    tgt = ms.Tensor(rng.integers(0, vocab, (seq, batch)).astype(np.int32))
+    dims = dict(vocab=vocab, hidden=hidden, ffn=ffn)
+    records = []
+    for mode in modes:
+        for label, shard, reshard in (("whole", False, False), ("fully_shard", True, False),
+                                      ("fully_shard+reshard", True, True)):
+            if reshard and mode != "pynative":
+                continue
+            net = _build(7, False, shard=shard, reshard=reshard, **dims)
+            params = net.trainable_params()
+            fn = ms.value_and_grad(net, None, params)
+            if mode == "jit":
+                fn = ms.jit(fn)
+            _KEEP.append(fn)
+            finalize = GradientFinalizer(params)
+            times = []
+            for i in range(steps + 1):
+                t0 = time.perf_counter()
+                loss, grads = fn(ids, tgt)
+                grads = finalize(grads)
+                float(loss)
+                _ = [g.asnumpy() for g in grads[-1:]]
+                if i:
+                    times.append(time.perf_counter() - t0)
+            records.append({"check": "fsdp.bench", "group": f"dp{dp.size}", "mode": mode,
+                            "model": label, "param_bytes": _param_bytes(net),
+                            "full_param_bytes": int(sum(int(np.prod(getattr(p, "fsdp").full_shape
+                                                                     if shard else p.shape)) * 4
+                                                        for p in params)),
+                            "step_s_median": round(statistics.median(times), 4),
+                            "step_s_min": round(min(times), 4), "loss": float(loss),
+                            "dims": {**dims, "seq": seq, "batch": batch}, "passed": True})
+    return records

@@ -39,15 +39,23 @@ unchanged, and its data is the shard. Reading ``self.weight`` returns:
 What is kept alive, and when: the shards always. By default autodiff keeps each gathered
 tensor that the forward used (e.g. ``W`` of ``y = x W^T``, needed by ``dx = dy W``)
 until its backward has run, so the full weights of every layer are alive between forward
-and backward, as without sharding (only the optimizer-facing storage is ``1/d``). With
-``reshard_after_forward=True`` (torch FSDP2's name) every cell that owns sharded
-parameters is recomputed (``Cell.recompute()``): the forward keeps only the cell's
-inputs, and the backward gathers the weights again just before the cell's backward,
-holding one layer's full weights at a time at the price of a second all-gather per layer.
+and backward, as without sharding (only the stored parameters, gradients and optimizer
+state are ``1/d``). With ``reshard_after_forward=True`` (torch FSDP2's name) every cell
+that owns sharded parameters is recomputed (PyNative's ``Cell.recompute()`` machinery):
+the forward keeps only the cell's inputs, and the backward gathers the weights again
+just before the cell's backward, holding one layer's full weights at a time at the price
+of a second all-gather per layer. PyNative only: under ``ms.jit`` / GRAPH_MODE the
+recomputed all-gathers and the reduce-scatters of a group were scheduled in different
+orders on different ranks (measured: wrong gradients at dp4), so compiled code raises a
+``ValueError`` at trace time for such parameters.
 
 Collectives and ordering: one all-gather per parameter read in the forward, one
-reduce-scatter per parameter in the backward. Every rank of a group runs the same graph
-(the shards have the same shape on every rank), so they issue them in the same order.
+reduce-scatter per parameter in the backward (a read is gathered once per call
+eagerly; compiled code may gather a parameter read twice twice). Compiled, they follow
+the layer chain; independent collectives of one group in one graph may run in
+different orders on different ranks (docs/COMPILED_MODE.md), which the recompute of
+``reshard_after_forward`` provoked and the plain forward/backward did not (measured at
+dp4, tp2 x dp2 and pp2 x dp2).
 
 Optimizers: :class:`mindscience.distributed.optimizer.DistributedOptimizer` with
 ``zero_stage=3`` steps the shards as they are; :class:`GradientFinalizer` skips the dp-cp
