@@ -175,6 +175,17 @@ class _Leg:
         return worst
 
 
+def _layout(tp: int):
+    """The layout tp x dp(rest), re-creating the groups only when it changes."""
+    from mindscience.distributed import manager
+
+    if manager.is_initialized():
+        lay = manager.get_layout()
+        if (lay.tp, lay.cp, lay.pp) == (tp, 1, 1):
+            return lay
+    return reinit(manager, {"tp": tp})
+
+
 def _root(ctx) -> str:
     return os.path.join(ctx.out_dir or ".", "ckzero")
 
@@ -186,10 +197,8 @@ def _rel(got, want) -> float:
 @check("ckzero.reference")
 def reference(ctx, steps: int = 6) -> dict:
     """The uninterrupted run at tp1 x dp4, stage 0."""
-    from mindscience.distributed import manager
-
     started = time.perf_counter()
-    lay = reinit(manager, {"tp": 1})
+    lay = _layout(1)
     leg = _Leg(stage=0, seed=7, total_steps=steps)
     losses = leg.train(_batches(steps))
     _STATE["reference"] = (losses, leg.weights())
@@ -223,7 +232,7 @@ def _final(leg) -> dict:
 @check("ckzero.chain")
 def chain(ctx, legs=(2, 2)) -> list:
     """stage 3 + fully_shard at dp4 -> stage 1 at tp2 x dp2 -> stage 0 at tp1 x dp4."""
-    from mindscience.distributed import checkpoint, manager
+    from mindscience.distributed import checkpoint
 
     want, _ = _STATE["reference"]
     steps = len(want)
@@ -234,7 +243,7 @@ def chain(ctx, legs=(2, 2)) -> list:
     records = []
 
     started = time.perf_counter()
-    lay = reinit(manager, {"tp": 1})
+    lay = _layout(1)
     leg = _Leg(stage=3, seed=7, total_steps=steps, shard=True)
     losses = leg.train(batches[:a])
     shapes = {p.name: (list(p.shape), list(p.fsdp.full_shape)) for p in leg.params}
@@ -243,7 +252,7 @@ def chain(ctx, legs=(2, 2)) -> list:
                                extra={"leg": 0, "fsdp_shapes": shapes}))
 
     started = time.perf_counter()
-    lay = reinit(manager, {"tp": 2})
+    lay = _layout(2)
     leg = _Leg(stage=1, seed=99, total_steps=steps)
     info = checkpoint.load(leg.cell, first)
     losses = leg.train(batches[a:a + b])
@@ -252,7 +261,7 @@ def chain(ctx, legs=(2, 2)) -> list:
                                extra={"leg": 1}))
 
     started = time.perf_counter()
-    lay = reinit(manager, {"tp": 1})
+    lay = _layout(1)
     leg = _Leg(stage=0, seed=123, total_steps=steps)
     info = checkpoint.load(leg.cell, second)
     losses = leg.train(batches[a + b:])
@@ -267,7 +276,7 @@ def chain(ctx, legs=(2, 2)) -> list:
 @check("ckzero.offline")
 def offline_reshard(ctx, first: int = 3) -> list:
     """stage 2 at tp2 x dp2, saved; offline reshard to tp1 x dp4; loaded at stage 1."""
-    from mindscience.distributed import checkpoint, manager
+    from mindscience.distributed import checkpoint
     from mindscience.distributed.checkpoint.manifest import read_manifest
     from mindscience.distributed.topology.layout import Layout
 
@@ -279,7 +288,7 @@ def offline_reshard(ctx, first: int = 3) -> list:
     records = []
 
     started = time.perf_counter()
-    lay = reinit(manager, {"tp": 2})
+    lay = _layout(2)
     leg = _Leg(stage=2, seed=7, total_steps=steps)
     losses = leg.train(batches[:first])
     checkpoint.save(leg.cell, saved, step=first)
@@ -291,7 +300,7 @@ def offline_reshard(ctx, first: int = 3) -> list:
         checkpoint.reshard(saved, out, Layout(world_size=ctx.world_size, tp=1, dp=ctx.world_size))
     _barrier()
     manifest = read_manifest(out)
-    lay = reinit(manager, {"tp": 1})
+    lay = _layout(1)
     leg = _Leg(stage=1, seed=99, total_steps=steps)
     info = checkpoint.load(leg.cell, out)
     losses = leg.train(batches[first:])

@@ -16,6 +16,9 @@
   its moments (``nn.Optimizer``s and ``mint.optim`` optimizers alike) are saved and
   resharded like the parameters they belong to, its step counters and learning rate as
   replicated tensors.
+* Sharded optimizer state (``DistributedOptimizer`` stages 1-3) and ``fully_shard``
+  parameters are saved whole in their tp-local shape and sliced back to this rank's rows
+  on load (:mod:`.zero`): a checkpoint loads at any other layout AND stage.
 * Offline (no MindSpore, used by ``msdist checkpoint``): :mod:`.offline` ``inspect``,
   ``reshard``, ``merge``; :mod:`.manifest` (the format), :mod:`.schema` (its checks),
   :mod:`.plan` (who holds which slice, stage placement), :mod:`.files` (safetensors byte

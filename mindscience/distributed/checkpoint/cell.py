@@ -22,8 +22,8 @@ from .files import st_dtype_of
 from .manifest import CheckpointReader
 from .plan import (global_shape_from_local, layer_index, local_shape, piece_for, rename_layers,
                    writes)
-from .writer import LAYOUT_KEYS, finish, prepare, write_rank
 from . import zero
+from .writer import LAYOUT_KEYS, finish, prepare, write_rank
 
 __all__ = ["save", "load", "set_global_layer_names", "named_parameters", "layer_prefixes"]
 
@@ -126,7 +126,9 @@ def _marked(param) -> bool:
 def _entries(cell) -> list:
     """``(global name, parameter, sharding, base global name, position)`` per parameter
     (see :func:`named_parameters`); ``position`` is its index in the cell's parameter
-    order (an optimizer state has its base parameter's).
+    order (an optimizer state has its base parameter's). A DistributedOptimizer's state
+    belongs to the parameter it was built for, and its gradient buffers (the last step's)
+    are left out (:func:`.zero.discover`).
 
     Raises:
         CheckpointError: two parameters with one global name; optimizer state that
@@ -183,7 +185,9 @@ def named_parameters(cell) -> list:
     The global name is the parameter's path in ``cell.parameters_and_names()`` (the
     first one of a shared parameter), with ``layers.<i>`` renumbered as set by
     :func:`set_global_layer_names`. Optimizer state (moments) has the sharding of the
-    parameter it belongs to (see :func:`_optimizer_bases`).
+    parameter it belongs to (see :func:`_optimizer_bases`). A tensor that is also dim-0
+    sharded over a group (ZeRO stages 1-3, ``fully_shard``) is listed with its shard;
+    ``save`` and ``load`` turn it into its tp-local whole and back (see :mod:`.zero`).
 
     Raises:
         CheckpointError: see :func:`_entries`.
@@ -425,7 +429,7 @@ def load(cell, directory, *, strict: bool = True) -> dict:
             that does not match.
     """
     layout, rank = _world()
-    error, values, derived = None, [], []
+    error, values, mains = None, [], []
     names_all: list = []
     try:
         reader = CheckpointReader(str(directory), verify=True)
@@ -460,7 +464,7 @@ def load(cell, directory, *, strict: bool = True) -> dict:
                 array = zero.shard_of(array, info.group.size, info.group.rank)
             values.append((param, name, _to_tensor(array, entry["dtype"], param)))
         loaded = {id(param): value for param, _, value in values}
-        derived = [(param, ms.Tensor(zero.derive_main(info, loaded))) for param, _, info in derived]
+        mains = [(param, ms.Tensor(zero.derive_main(info, loaded))) for param, _, info in derived]
     except CheckpointError as err:
         error = err
     except Exception as err:  # noqa: BLE001 - the other ranks must not wait for this one
@@ -489,7 +493,7 @@ def load(cell, directory, *, strict: bool = True) -> dict:
                 "strict=False to ignore them.")
     for param, _, value in values:
         param.set_data(value)
-    for param, value in derived:
+    for param, value in mains:
         param.set_data(value)
     manifest = reader.manifest
     if reader.note and rank == 0:
