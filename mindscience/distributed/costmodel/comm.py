@@ -45,7 +45,7 @@ of ``s*b*h = 4`` bf16 values: 4 all-reduces of 8 bytes, each sending ``8 * 2*(2-
 from __future__ import annotations
 
 from .memory import BYTES, GRADIENT_BYTES, num_microbatches
-from .params import model_stage_layers, rank_layers, sharded_elements, stage_shapes
+from .params import model_stage_layers, rank_layers, stage_counts
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 GROUPS = ("tp", "cp", "pp", "dp-cp")
@@ -72,15 +72,17 @@ def _row(group: str, op: str, size: int, count: int, total: int) -> dict:
     }
 
 
-def recompute_passes(model: ModelSpec, training: TrainingSpec, pp: int, stage: int, runtime=None) -> float:
+def recompute_passes(model: ModelSpec, training: TrainingSpec, pp: int, stage: int, runtime=None,
+                     chunks: list | None = None) -> float:
     """Extra forwards per micro-batch of rank ``stage``'s layers, as a fraction of its layers.
 
     ``recompute: full`` re-runs every layer (1); the pipeline runtime's stage re-run
     (:class:`~.runtime.Runtime`) adds the layers of every chunk but the last model stage's.
+    ``chunks``: :func:`~.params.model_stage_layers`, when the caller has it.
     """
     again = 1.0 if training.recompute == "full" else 0.0
     if runtime is not None and runtime.stage_recompute and pp > 1:
-        chunks = model_stage_layers(model, training, pp)
+        chunks = model_stage_layers(model, training, pp) if chunks is None else chunks
         mine = chunks[stage::pp]
         total = sum(mine)
         last = chunks[-1] if stage == pp - 1 else 0
@@ -180,16 +182,14 @@ def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: 
     """
     if d <= 1:
         return []
-    shapes = max((stage_shapes(model, tp, pp, s, training) for s in range(pp)),
-                 key=lambda sh: sharded_elements(sh, 1))
-    padded = d * sharded_elements(shapes, d)  # the all-gathered / reduce-scattered buffer
+    params, shard, tensors = max(stage_counts(model, tp, pp, d, training))
+    padded = d * shard  # the all-gathered / reduce-scattered buffer
     w = BYTES[training.precision]["weights"]
     if training.zero_stage == 0:
-        return [_row("dp-cp", "all_reduce", d, 1, sharded_elements(shapes, 1) * GRADIENT_BYTES)]
+        return [_row("dp-cp", "all_reduce", d, 1, params * GRADIENT_BYTES)]
     if training.zero_stage < 3:
         return [_row("dp-cp", "reduce_scatter", d, 1, padded * GRADIENT_BYTES),
                 _row("dp-cp", "all_gather", d, 1, padded * w)]
-    tensors = sum(n for _, _, n in shapes)
     gathers = 2 if regather else 1
     return [_row("dp-cp", "all_gather", d, gathers * tensors * microbatches, gathers * microbatches * padded * w),
             _row("dp-cp", "reduce_scatter", d, tensors * microbatches, microbatches * padded * w)]

@@ -29,7 +29,7 @@ from dataclasses import replace
 from math import prod
 
 from .params import (embedding_parameters, layer_parameters, mlp_fc1_width, model_stage_layers, rank_layers,
-                     sharded_elements, stage_parameters, stage_shapes, total_parameters)
+                     stage_counts, stage_parameters, total_parameters)
 from .spec import ModelSpec, TrainingSpec
 
 __all__ = ["embedding_parameters", "layer_parameters", "stage_parameters", "total_parameters",
@@ -240,10 +240,9 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
     chunk_layers = model_stage_layers(model, training, pp)
     recomputing = runtime is not None and runtime.stage_recompute and pp > 1
     rows = []
+    counts = stage_counts(model, tp, pp, d, training)
     for stage in range(pp):
-        shapes = stage_shapes(model, tp, pp, stage, training)
-        params = sum(n * prod(shape) for shape, _, n in shapes)
-        sharded = sharded_elements(shapes, d) if d > 1 else params
+        params, sharded, _ = counts[stage]
         flying = in_flight(pp, stage, m)
         mine = per_rank[stage]
         if recomputing:

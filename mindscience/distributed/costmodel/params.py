@@ -40,6 +40,7 @@ no bias): a layer is ``64 + 64*128 + 64*64 + 64 + 256*64 + 64*128 = 36,992`` par
 
 from __future__ import annotations
 
+from functools import lru_cache
 from math import prod
 
 from .spec import ModelSpec, TrainingSpec
@@ -123,14 +124,19 @@ def model_stage_layers(model: ModelSpec, training: TrainingSpec | None, pp: int)
     v = training.virtual_pipeline_stages if pp > 1 else 1
     if pp == 1:  # one stage holds everything: the cut options have nothing to cut
         return [model.num_layers]
+    return list(_cut(model.num_layers, pp, v, training.first_stage_layers, training.last_stage_layers,
+                     training.account_for_embedding_in_pipeline_split, training.account_for_loss_in_pipeline_split))
+
+
+@lru_cache(maxsize=4096)
+def _cut(num_layers, pp, v, first, last, embedding, loss) -> tuple:
+    # suggest asks for the same cut of every size many times (memory, traffic, every order's step time).
     # Imported here: pipeline.split imports costmodel.errors, so either package may load first.
     from ..pipeline.split import stage_layers
 
-    return stage_layers(
-        model.num_layers, pp, v, first_stage_layers=training.first_stage_layers,
-        last_stage_layers=training.last_stage_layers,
-        account_for_embedding_in_pipeline_split=training.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=training.account_for_loss_in_pipeline_split)
+    return tuple(stage_layers(num_layers, pp, v, first_stage_layers=first, last_stage_layers=last,
+                              account_for_embedding_in_pipeline_split=embedding,
+                              account_for_loss_in_pipeline_split=loss))
 
 
 def rank_layers(model: ModelSpec, training: TrainingSpec | None, pp: int) -> list[int]:
@@ -148,9 +154,15 @@ def rank_layers(model: ModelSpec, training: TrainingSpec | None, pp: int) -> lis
 def stage_shapes(model: ModelSpec, tp: int, pp: int, stage: int,
                  training: TrainingSpec | None = None) -> list[tuple[tuple, bool, int]]:
     """``[(local shape, split over tp, how many)]`` of every parameter pipeline rank ``stage`` holds."""
-    h, vocab = model.hidden_size, model.vocab_size
     layers = rank_layers(model, training, pp)[stage]
     out = [(shape, split, layers) for shape, split in layer_shapes(model, tp)] if layers else []
+    return out + _edge_shapes(model, tp, pp, stage)
+
+
+def _edge_shapes(model: ModelSpec, tp: int, pp: int, stage: int) -> list:
+    """The embeddings of the first stage, the final norm and output layer of the last."""
+    h, vocab = model.hidden_size, model.vocab_size
+    out = []
     words, positions = embedding_parameters(model)
     if stage == 0:
         if vocab:
@@ -162,6 +174,23 @@ def stage_shapes(model: ModelSpec, tp: int, pp: int, stage: int,
         # The output matrix: untied, or the tied embedding's copy on a last stage of its own.
         if vocab and (not model.tie_embeddings or pp > 1):
             out.append(((vocab // tp, h), True, 1))
+    return out
+
+
+def stage_counts(model: ModelSpec, tp: int, pp: int, d: int,
+                 training: TrainingSpec | None = None) -> list[tuple[int, int, int]]:
+    """``(parameters, padded shard elements over d, tensors)`` of every pipeline rank.
+
+    The same counts as :func:`stage_shapes` with :func:`sharded_elements`, one layer's
+    shapes computed once (``suggest`` asks for every rank of thousands of sizes).
+    """
+    layer = [(shape, split, 1) for shape, split in layer_shapes(model, tp)]
+    one = (sum(prod(shape) for shape, _, _ in layer), sharded_elements(layer, d), len(layer))
+    out = []
+    for stage, layers in enumerate(rank_layers(model, training, pp)):
+        edges = _edge_shapes(model, tp, pp, stage)
+        out.append((layers * one[0] + sum(prod(shape) for shape, _, _ in edges),
+                    layers * one[1] + sharded_elements(edges, d), layers * one[2] + len(edges)))
     return out
 
 

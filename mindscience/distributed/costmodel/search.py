@@ -173,11 +173,12 @@ def _price(model, training, cluster, sizes: tuple, orders: list, runtime=None) -
 
     ``orders`` holds ``(order, crossing flags)`` pairs; the first wins ties.
     """
-    busiest = stage_slot_flops(model, training, *sizes[:3], runtime)["stage"]
-    rows = traffic(model, training, *sizes, runtime, busiest)
+    flops = stage_slot_flops(model, training, *sizes[:3], runtime)
+    rows = traffic(model, training, *sizes, runtime, flops["stage"])
     best = None
     for order, flags in orders:
-        timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime)
+        timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime,
+                           flops=flops)
         if best is None or timing["step_time_s"] < best[2]["step_time_s"]:
             best = (order, flags, timing)
     order, flags, timing = best

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from .comm import recompute_passes, traffic
 from .memory import BYTES, num_microbatches, pipeline_bubble, ring_attention
-from .params import mlp_fc1_width, rank_layers
+from .params import mlp_fc1_width, model_stage_layers
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 TERMS = ("compute_s", "bubble_s", "tp_s", "cp_s", "pp_s", "dp_s")
@@ -100,9 +100,11 @@ def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int,
     logits = logits_forward_flops(model, b * s // cp) / tp
     scores_again = training.recompute == "selective" or ring_attention(training, cp)
     best = None
-    for stage, layers in enumerate(rank_layers(model, training, pp)):
+    chunks = model_stage_layers(model, training, pp)
+    for stage in range(pp):
+        layers = sum(chunks[stage::pp])
         forward = layers * (layer["linear"] + layer["attention"]) / tp
-        recomputed = recompute_passes(model, training, pp, stage, runtime) * forward
+        recomputed = recompute_passes(model, training, pp, stage, runtime, chunks) * forward
         if scores_again and training.recompute != "full":
             recomputed += layers * layer["attention"] / tp
         forward += logits if stage == pp - 1 else 0
@@ -144,7 +146,8 @@ def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> i
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp: int, cp: int, pp: int, dp: int,
-              crossing: dict | None = None, rows: list[dict] | None = None, runtime=None) -> dict:
+              crossing: dict | None = None, rows: list[dict] | None = None, runtime=None,
+              flops: dict | None = None) -> dict:
     """The step time of one layout and its exposed breakdown.
 
     Args:
@@ -155,6 +158,7 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
         rows: :func:`~.comm.traffic` of these sizes, when the caller has it already.
         runtime: :class:`~.runtime.Runtime` of :func:`~.runtime.what_runs` (None: no
             pipeline re-run forward), for the compute and, without ``rows``, the traffic.
+        flops: :func:`stage_slot_flops` of the same arguments, when the caller has it.
 
     Returns:
         ``{"step_time_s", "breakdown": {compute_s, bubble_s, tp_s, cp_s, pp_s, dp_s},
@@ -166,7 +170,7 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
     world = tp * cp * pp * dp
     m = num_microbatches(training, dp, world)
     v = training.virtual_pipeline_stages if pp > 1 else 1
-    flops = stage_slot_flops(model, training, tp, cp, pp, runtime)
+    flops = stage_slot_flops(model, training, tp, cp, pp, runtime) if flops is None else flops
     rows = traffic(model, training, tp, cp, pp, dp, runtime, flops["stage"]) if rows is None else rows
     rate = cluster.effective_flops
     slot = flops["total"] / rate
