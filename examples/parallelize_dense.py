@@ -14,9 +14,11 @@ with the plan ``PLAN`` below: the embedding split by vocabulary rows, ``fc1`` by
 features, ``fc2`` by input features (one all-reduce per block forward, one backward),
 the norms marked for sequence parallelism, and the head split by vocabulary with its
 output gathered, so the user's loss code is unchanged. The parameter names stay the
-dense ones (``layers.0.fc1.weight``), and so do the optimizer and the training loop;
-the only addition is ``GradientFinalizer``, which averages the gradients over the
-data-parallel replicas and sums those of sequence-parallel parameters over tp.
+dense ones (``layers.0.fc1.weight``), and so does the training loop; the optimizer is
+the library's ``DistributedOptimizer`` (SGD with momentum, ZeRO stage 1), which averages
+the gradients over the data-parallel replicas, sums those of sequence-parallel
+parameters over tp and shards the momentum over the data-parallel ranks. The dense
+model trains with ``nn.SGD`` (the same update).
 
 On 4 ranks with ``--tp 2`` the layout is tp2 x dp2: each data-parallel replica trains on
 half of the global batch. Every rank also trains the dense model on the whole batch in
@@ -37,8 +39,8 @@ from mindspore import mint, nn, ops
 
 import _common as C
 from mindscience.distributed import collectives, manager
-from mindscience.distributed.finalize import GradientFinalizer
 from mindscience.distributed.group import ParallelGroup
+from mindscience.distributed.optimizer import DistributedOptimizer
 from mindscience.distributed.parallelize import (ColwiseParallel, RowwiseParallel,
                                                  SequenceParallel, VocabParallel,
                                                  parallelize_module)
@@ -93,11 +95,10 @@ class DenseModel(nn.Cell):
 
 
 # ----------------------------------------------------------------------------- training
-def train(model, ids, targets, steps: int, lr: float, finalize=None, dp_group=None) -> list:
-    """SGD with momentum on the mean cross-entropy; the loss of every step (the mean over
-    the data-parallel replicas when ``dp_group`` is given)."""
+def train(model, ids, targets, steps: int, optimizer, dp_group=None) -> list:
+    """``steps`` steps of ``optimizer`` on the mean cross-entropy; the loss of every step
+    (the mean over the data-parallel replicas when ``dp_group`` is given)."""
     params = model.trainable_params()
-    optimizer = nn.SGD(params, learning_rate=lr, momentum=0.9)
 
     def loss_fn(inp, tgt):
         logits = model(inp)
@@ -107,8 +108,6 @@ def train(model, ids, targets, steps: int, lr: float, finalize=None, dp_group=No
     losses = []
     for _ in range(steps):
         loss, grads = grad_fn(ids, targets)
-        if finalize is not None:
-            grads = finalize(grads)
         optimizer(grads)
         if dp_group is not None and dp_group.size > 1:
             loss = collectives.all_reduce(loss, dp_group) / dp_group.size
@@ -141,11 +140,15 @@ def run(steps: int = 5, lr: float = 0.2, seq_len: int = 16, batch: int = 4,
     ms.set_seed(seed)
     model = parallelize_module(DenseModel(), PLAN, sequence_parallel=sequence_parallel)
 
-    dense_losses = train(dense, inputs, targets, steps, lr)
+    dense_losses = train(dense, inputs, targets, steps,
+                         nn.SGD(dense.trainable_params(), learning_rate=lr, momentum=0.9))
     per = batch // dp.size
     mine = slice(dp.rank * per, (dp.rank + 1) * per)
-    finalize = GradientFinalizer(model.trainable_params())
-    losses = train(model, inputs[:, mine], targets[:, mine], steps, lr, finalize, dp)
+    # The same SGD as ZeRO stage 1: it sums the sequence-parallel gradients over tp,
+    # averages all of them over dp, and shards the momentum over the dp ranks.
+    optimizer = DistributedOptimizer(model.trainable_params(), optimizer="sgd", lr=lr,
+                                     momentum=0.9, zero_stage=1)
+    losses = train(model, inputs[:, mine], targets[:, mine], steps, optimizer, dp)
 
     rel = [abs(p - d) / max(abs(d), 1e-12) for p, d in zip(losses, dense_losses)]
     dense_params = dict(dense.parameters_and_names())

@@ -177,6 +177,14 @@ class _MyDense(nn.Dense):
     pass
 
 
+class _SharedNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        shared = nn.Dense(4, 4)
+        self.a = nn.SequentialCell([shared])
+        self.b = nn.SequentialCell([shared])
+
+
 def _with(make_cell, attr):
     def build():
         model = P.build(0)
@@ -221,6 +229,8 @@ BAD_PLANS = [  # (model builder, plan, tp, expected message parts)
     ("padding_idx", _with(lambda: mint.nn.Embedding(8, 4, padding_idx=0), "extra"),
      {"layers.0.extra": VocabParallel()}, 2, ["'layers.0.extra'", "padding_idx=0"]),
     ("tied weights", _TiedNet, {"a": ColwiseParallel()}, 2, ["'a'", "shared with b.weight", "Untie"]),
+    ("shared module", _SharedNet, {"a.0": ColwiseParallel()}, 2,
+     ["'a.0'", "also 'b.0'", "Build separate modules"]),
     ("root", lambda: nn.Dense(4, 4), {"*": ColwiseParallel()}, 2, ["root cell", "Wrap the layer"]),
     ("empty pattern", P.build, {"": ColwiseParallel()}, 2, ["plan key ''", "non-empty fnmatch pattern"]),
     ("not a style", P.build, {"head": ColwiseParallel}, 2, ["plan['head']", "note the parentheses"]),
@@ -249,6 +259,25 @@ def test_bad_plans_raise_before_any_change(case, build, plan, tp, parts):
     if heads_before is not None:
         assert model.layers[0].attn.num_heads == heads_before
     assert not any(getattr(p, "sequence_parallel", False) for p in model.get_parameters())
+
+
+def test_arguments_checked():
+    with pytest.raises(ParallelizePlanError, match="sequence_parallel='yes' is invalid"):
+        parallelize_module(P.build(0), P.plan(), sequence_parallel="yes")
+    with pytest.raises(ParallelizePlanError, match="model=dict is not a mindspore.nn.Cell"):
+        parallelize_module({}, P.plan())
+
+
+def test_sequential_cell_children_are_replaced():
+    """SequentialCell runs a cached list of its children: the replacement must be in it."""
+    ms.set_seed(2)
+    net = nn.SequentialCell([nn.Dense(4, 8), nn.ReLU(), mint.nn.Linear(8, 4)])
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32))
+    want = net(x).asnumpy()
+    parallelize_module(net, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    assert [type(c).__name__ for c in net.cell_list] == ["ColumnParallelLinear", "ReLU", "RowParallelLinear"]
+    assert [n for n, _ in net.parameters_and_names()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    np.testing.assert_allclose(net(x).asnumpy(), want, rtol=1e-6, atol=1e-7)
 
 
 def test_head_parallel_refuses_a_second_pass():

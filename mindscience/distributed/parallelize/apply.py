@@ -19,8 +19,8 @@ from ..modules.embedding import VocabParallelEmbedding
 from ..modules.linear import ColumnParallelLinear, RowParallelLinear, _tp_group
 from ..sharding import mark_sharding
 from .plan import Match, embedding_table, resolve_plan
-from .styles import (ColwiseParallel, HeadParallel, RowwiseParallel, SequenceParallel,
-                     VocabParallel, column_order)
+from .styles import (ColwiseParallel, HeadParallel, ParallelizePlanError, RowwiseParallel,
+                     SequenceParallel, VocabParallel, column_order)
 
 __all__ = ["parallelize_module"]
 
@@ -67,13 +67,9 @@ def parallelize_module(model, plan: dict, sequence_parallel: bool = False, *, tp
             :func:`.plan.resolve_plan`.
     """
     if not isinstance(model, nn.Cell):
-        from .styles import ParallelizePlanError
-
         raise ParallelizePlanError(f"parallelize_module: model={type(model).__name__} is not a "
                                    "mindspore.nn.Cell. Pass the root Cell of the model.")
     if not isinstance(sequence_parallel, bool):
-        from .styles import ParallelizePlanError
-
         raise ParallelizePlanError(f"parallelize_module: sequence_parallel={sequence_parallel!r} "
                                    "is invalid: expected True or False.")
     group = _tp_group(tp_group)
@@ -91,7 +87,7 @@ def parallelize_module(model, plan: dict, sequence_parallel: bool = False, *, tp
                 UserWarning, stacklevel=2)
     for m, new in replacements:
         if new is not None:
-            m.parent.insert_child_to_cell(m.key, new)
+            _replace_child(m.parent, m.key, new)
         elif isinstance(m.style, SequenceParallel):
             if m.sequence_parallel:
                 for param in m.cell.get_parameters():
@@ -101,6 +97,15 @@ def parallelize_module(model, plan: dict, sequence_parallel: bool = False, *, tp
                 setattr(m.cell, attr, getattr(m.cell, attr) // group.size)
             m.cell._msdist_head_parallel = group.size  # noqa: SLF001 - refuse a second pass
     return model
+
+
+def _replace_child(parent, key: str, new) -> None:
+    """Put ``new`` in ``parent``'s child slot ``key`` without renaming any parameter
+    (``CellList.__setitem__`` would prefix the names again)."""
+    parent.insert_child_to_cell(key, new)
+    if isinstance(parent, nn.SequentialCell):
+        # SequentialCell runs the list it cached from its children when they were set.
+        parent.cell_list = list(parent._cells.values())  # noqa: SLF001
 
 
 # ----------------------------------------------------------------------------- building

@@ -226,7 +226,29 @@ def _check_nesting(matches: list) -> None:
                   "parameter below it. Style either the parent or its children, not both.")
 
 
+def _paths(cell, prefix="") -> dict:
+    """``{id(cell): [every path to it]}`` (``cells_and_names`` lists a shared cell once)."""
+    out: dict = {}
+    for key, child in cell._cells.items():  # noqa: SLF001
+        if child is None:
+            continue
+        path = f"{prefix}.{key}" if prefix else key
+        out.setdefault(id(child), []).append(path)
+        for ident, paths in _paths(child, path).items():
+            out.setdefault(ident, []).extend(paths)
+    return out
+
+
 def _check_shared(matches: list, model) -> None:
+    paths = _paths(model)
+    for m in matches:
+        others = [p for p in paths.get(id(m.cell), []) if p != m.name]
+        if isinstance(m.style, _REPLACING) and others:
+            _fail(f"parallelize_module: {type(m.style).__name__} on "
+                  f"{describe_module(m.name, m.cell)}: the same module object is also "
+                  f"{', '.join(repr(o) for o in others)}; replacing it in one place would "
+                  "leave the dense module in the other. Build separate modules, or leave it "
+                  "out of the plan.")
     owners = {}
     for name, cell in model.cells_and_names():
         for key, param in cell._params.items():  # noqa: SLF001 - the direct owners
