@@ -148,7 +148,11 @@ def model_check(layout, model: str, mode=("jit",)) -> dict:
     """``train.dense_compare``: two training steps of GPTModel at the layout against the dense
     model on the same batches (family ``train`` of the summary), with the model file's
     training section (one micro-batch per dp rank and pipeline stage at least)."""
+    from dataclasses import asdict
+
     from .train import model_and_options
 
-    spec, opts = model_and_options(layout, model, steps=2, mode="jit" if "jit" in mode else "pynative")
-    return {"name": "train.dense_compare", "params": {"model": spec, "options": opts.to_dict(), "steps": 2}}
+    workload, opts = model_and_options(layout, model, steps=2, mode="jit" if "jit" in mode else "pynative")
+    return {"name": "train.dense_compare", "params": {"model": asdict(workload.model),
+                                                      "training": asdict(workload.training),
+                                                      "options": opts.to_dict(), "steps": 2}}

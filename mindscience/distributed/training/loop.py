@@ -87,7 +87,8 @@ class Trainer:
 
             # Stage 3 steps the dim-0 shards fully_shard makes (contract C3).
             fully_shard(self.model)
-        self.optimizer = DistributedOptimizer(self.model.trainable_params(), optimizer="adamw", lr=opts.lr,
+        self.params = self.model.trainable_params()
+        self.optimizer = DistributedOptimizer(self.params, optimizer="adamw", lr=opts.lr,
                                               zero_stage=opts.zero_stage)
         self.first_step = 0  # steps already trained (the resumed step counter)
         self.first_sequence = 0  # data position of step 0 in the token file
@@ -150,7 +151,10 @@ class Trainer:
         if self._state is None:
             from .state import TrainState
 
-            self._state = TrainState(self.model, self.optimizer)
+            from mindscience.distributed import manager
+
+            self._state = TrainState(self.model, self.optimizer, self.params, self.opts.zero_stage,
+                                     manager.get_data_context_parallel_group())
         return self._state
 
     def save(self, directory: str, steps_done: int) -> str:

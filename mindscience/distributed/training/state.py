@@ -29,7 +29,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from ..collectives import all_gather
-from ..optimizer.layout import shard_range
+from ..optimizer.layout import param_shard, shard_range
 
 STEP_NAME = "optimizer_step"
 
@@ -52,14 +52,22 @@ class TrainState:
     """The checkpointable state of a model and its DistributedOptimizer.
 
     Args:
-        model: The model Cell (its parameters are the optimizer's ``params``).
-        optimizer: A DistributedOptimizer built over ``model.trainable_params()``.
+        model: The model Cell.
+        optimizer: A DistributedOptimizer built over ``params``.
+        params: The parameters the optimizer steps, in its order.
+        zero_stage: Its ZeRO stage.
+        group: Its group (the dp-cp group by default).
+
+    It reads the optimizer's state Parameters (``state_names``, ``moments``, ``mains``,
+    ``step``): the optimizer has no checkpoint interface of its own yet.
     """
 
-    def __init__(self, model, optimizer):
-        self.model, self.opt = model, optimizer
-        params = list(optimizer.params)
-        self.sharded = optimizer.stage > 0 and optimizer.d > 1
+    def __init__(self, model, optimizer, params, zero_stage: int, group):
+        self.model, self.opt, self.group = model, optimizer, group
+        params = list(params)
+        self.shards = tuple(param_shard(tuple(p.shape), group.size) for p in params)
+        self.params = params
+        self.sharded = zero_stage > 0 and group.size > 1
         moments = {}
         for i, name in enumerate(optimizer.state_names):
             mine = optimizer.moments[i]
@@ -77,7 +85,7 @@ class TrainState:
 
     def _full(self, shard, sh) -> np.ndarray:
         """This parameter's whole state from every rank's shard (all-gather over d, padding cut)."""
-        gathered = all_gather(shard, self.opt.group, 0).asnumpy()
+        gathered = all_gather(shard, self.group, 0).asnumpy()
         return gathered.reshape((-1,) + tuple(sh.shape[1:]))[: sh.rows].reshape(sh.shape)
 
     def pull(self) -> None:
@@ -86,11 +94,11 @@ class TrainState:
         if not self.sharded:
             return
         for i, name in enumerate(self.opt.state_names):
-            for shard, full, sh in zip(self.opt.moments[i], getattr(self.moments, name), self.opt.shards):
+            for shard, full, sh in zip(self.opt.moments[i], getattr(self.moments, name), self.shards):
                 full.set_data(Tensor(self._full(shard, sh).reshape(full.shape), ms.float32))
 
     def _rows(self, array: np.ndarray, sh) -> np.ndarray:
-        start, stop = shard_range(sh.rows, self.opt.d, self.opt.group.rank)
+        start, stop = shard_range(sh.rows, self.group.size, self.group.rank)
         rows = array.reshape((sh.rows,) + tuple(sh.shape[1:]))
         out = np.zeros((sh.shard_rows,) + tuple(sh.shape[1:]), np.float32)
         out[: stop - start] = rows[start:stop]
@@ -102,8 +110,8 @@ class TrainState:
         if not self.sharded:
             return
         for i, name in enumerate(self.opt.state_names):
-            for shard, full, sh in zip(self.opt.moments[i], getattr(self.moments, name), self.opt.shards):
+            for shard, full, sh in zip(self.opt.moments[i], getattr(self.moments, name), self.shards):
                 shard.set_data(Tensor(self._rows(full.asnumpy(), sh).reshape(shard.shape), ms.float32))
-        for main, p, sh in zip(self.opt.mains, self.opt.params, self.opt.shards):
+        for main, p, sh in zip(self.opt.mains, self.params, self.shards):
             weights = p.astype(ms.float32).asnumpy() if p.dtype != ms.float32 else p.asnumpy()
             main.set_data(Tensor(self._rows(weights, sh).reshape(main.shape), ms.float32))
