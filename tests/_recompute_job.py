@@ -11,7 +11,7 @@ import functools
 import os
 
 WORLD_SIZE = 4
-TIMEOUT_S = 420
+TIMEOUT_S = 600
 
 _TP2_CP2 = {"tp": 2, "cp": 2}
 _TP2_PP2 = {"tp": 2, "pp": 2}

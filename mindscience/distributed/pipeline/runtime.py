@@ -14,8 +14,9 @@ step            what this rank does
                 received gradient of the output; the parameter gradients are summed over
                 micro-batches. ``recompute="full"`` (default): the forward is recomputed from
                 the kept input (an in-flight micro-batch costs one stage input). Kept
-                activations (``"none"``/``"selective"``, GPipe only): ``F{j}`` ran under
-                ``mindspore.vjp`` and ``B{j}`` runs its pending backward, no second forward.
+                activations (``"none"``/``"selective"``, GPipe in PyNative): ``F{j}`` ran
+                under ``mindspore.vjp`` and ``B{j}`` runs its pending backward, no second
+                forward.
 ``SEND_*``,     :func:`mindscience.distributed.p2p.transfer` with the neighbour; two joined by
 ``RECV_*``      ``+`` are one exchange.
 ==============  ===============================================================================
@@ -23,9 +24,9 @@ step            what this rank does
 Recompute: :func:`~.recompute.runtime_recompute` says what runs for a configuration
 (``last_recompute()`` returns it for the last call). GPipe keeps its forwards and runs its
 backwards newest-first (:func:`~.recompute.kept_schedule`, the order MindSpore's pending
-backwards need); 1F1B and interleaved run ``"full"`` whatever is asked (with a
-``UserWarning`` once per configuration), as do the loss and gradients of the last stage
-(one pass, nothing to recompute).
+backwards need) in PyNative; 1F1B, interleaved and ``mode="jit"`` run ``"full"`` whatever
+is asked (with a ``UserWarning`` once per configuration). The last stage computes its loss
+and gradients in one pass (nothing to recompute).
 
 Execution: ``mode="pynative"`` runs the stage eagerly; ``mode="jit"`` compiles the stage's
 forward and its backward (``ms.jit``), the parameter gradients summed over micro-batches
@@ -200,9 +201,10 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
         recompute: ``"full"`` (default): every stage but the last keeps only its input per
             micro-batch in flight and recomputes its forward in the backward. ``"none"`` /
             ``"selective"``: keep the stage activations (no second forward; the cells the
-            model marks with ``recompute`` still recompute inside) where the schedule
-            allows: GPipe, whose backwards then run newest-first. 1F1B and interleaved
-            run ``"full"`` (a ``UserWarning`` once per configuration says so); see
+            model marks with ``recompute`` still recompute inside) where MindSpore allows
+            it: GPipe in PyNative, whose backwards then run newest-first. 1F1B,
+            interleaved and ``mode="jit"`` run ``"full"`` (a ``UserWarning`` once per
+            configuration says so); see
             :func:`~.recompute.runtime_recompute` and :func:`last_recompute`.
 
     Returns:

@@ -8,11 +8,11 @@
   the accumulators ``acc``;
 * ``loss(x, t, scale, acc, loss_acc) -> (dx, acc, loss_acc)`` on the last model stage:
   ``loss_fn(cell(x), t) * scale`` and its gradients, both added to accumulators;
-* kept activations (the runtime's ``recompute="none"|"selective"``): ``keep(x) -> (y,
-  pending)`` runs the forward under ``mindspore.vjp`` (compiled under jit: the vjp of the
-  ``ms.jit`` forward works the same, measured), and ``backward_kept(pending, dy, acc) ->
-  (dx, acc)`` runs its backward without a second forward. Pending backwards must run
-  newest-first (see :mod:`.recompute`).
+* kept activations (the runtime's ``recompute="none"|"selective"``, PyNative): ``keep(x)
+  -> (y, pending)`` runs the forward under ``mindspore.vjp``, and ``backward_kept(pending,
+  dy, acc) -> (dx, acc)`` runs its backward without a second forward. Pending backwards
+  must run newest-first; the runtime does not keep compiled forwards (see
+  :mod:`.recompute` for both, measured).
 
 Accumulation (``python bench/bench_pipeline_accumulate.py --mode jit|pynative``, one
 process on this shared 2-core CPU, 4 layers of 64x64 + bias = 8 parameters, 8 micro-batches,
