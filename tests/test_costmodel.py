@@ -6,6 +6,7 @@ Expected values are written out by hand from the papers' formulas (not from the 
 from dataclasses import replace
 from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -548,3 +549,24 @@ def test_estimate_prices_the_pipeline_runtime_and_reports_notes():
     assert slot["stage"] == 6
     assert slot["total"] == pytest.approx((4 * 12 * layer + 12 * 4 * S * S * H) / 8)  # + selective scores
     assert report["time"]["slot_s"] * 150e12 == pytest.approx(slot["total"])
+
+
+# ------------------------------------------------------------------ against the library's own Parameters
+@pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-llama"])
+def test_bytes_equal_distributed_optimizer_memory_bytes(preset):
+    """The cost model's weights/gradients/optimizer bytes are what DistributedOptimizer.memory_bytes()
+    counts from the Parameters GPTModel builds (one process, d = 1: every C4 parameter, the fp32 main
+    weights rule of each precision and stage). The padded d > 1 shards are checked against contract C1
+    above (test_zero_shards_are_padded_per_parameter)."""
+    from mindscience.distributed.models import GPTModel, TransformerConfig
+    from mindscience.distributed.optimizer import DistributedOptimizer
+
+    workload = load_workload(f"layouts/models/{preset}.yaml")
+    for precision in ("fp32", "bf16"):
+        for z in (0, 1, 2):  # one model per optimizer: a Parameter belongs to one DistributedOptimizer
+            net = GPTModel(TransformerConfig.from_model_spec(preset, precision=precision), seed=0, parallel=False)
+            assert sum(int(np.prod(p.shape)) for p in net.trainable_params()) == total_parameters(workload.model)
+            got = DistributedOptimizer(net.trainable_params(), zero_stage=z).memory_bytes()
+            row = stage_rows(workload.model, replace(workload.training, precision=precision, zero_stage=z),
+                             1, 1, 1, 1)[0]
+            assert got == {k: row[f"{k}_bytes"] for k in ("weights", "gradients", "optimizer")}, (precision, z)

@@ -5,8 +5,12 @@ reads group placement (which groups span nodes) from it. Modules, in reading ord
 
 * :mod:`.spec` — the model, training and cluster descriptions and their YAML sections;
 * :mod:`.constraints` — the divisibility rules a layout must meet for a model;
-* :mod:`.memory` — parameters and bytes per rank and pipeline stage;
+* :mod:`.params` — parameters per layer, pipeline rank and ZeRO shard (the structure ``GPTModel`` builds);
+* :mod:`.memory` — bytes per rank and pipeline stage (ZeRO stages 0-3, activations);
 * :mod:`.comm` — bytes each rank sends per step and group, and the time they take;
+* :mod:`.steptime` — the step time of the busiest stage;
+* :mod:`.runtime` — what the library runs for a training (the pipeline runtime's re-run
+  forward, the gradient reduction after the backward) and the notes saying so;
 * :mod:`.report` — both for one layout (``msdist plan --model``);
 * :mod:`.search` — every layout of a world, ranked (``msdist suggest``).
 
@@ -23,7 +27,9 @@ Formulas and their sources: docs/COST_MODEL.md.
 from .constraints import check, violations
 from .errors import ModelConstraintError, ModelError, ModelFileError
 from .report import estimate
-from .memory import layer_activation_bytes, stage_parameters, stage_rows, total_parameters
+from .memory import bytes_per_parameter, layer_activation_bytes, stage_parameters, stage_rows, total_parameters
+from .params import model_stage_layers, rank_layers, stage_counts
+from .runtime import Runtime, what_runs
 from .search import suggest
 from .spec import ClusterSpec, ModelSpec, TrainingSpec, Workload, load_workload, workload_from_mapping
 
@@ -33,16 +39,22 @@ __all__ = [
     "ModelError",
     "ModelFileError",
     "ModelSpec",
+    "Runtime",
     "TrainingSpec",
     "Workload",
+    "bytes_per_parameter",
     "check",
     "estimate",
     "layer_activation_bytes",
     "load_workload",
+    "model_stage_layers",
+    "rank_layers",
+    "stage_counts",
     "stage_parameters",
     "stage_rows",
     "suggest",
     "total_parameters",
     "violations",
+    "what_runs",
     "workload_from_mapping",
 ]

@@ -26,7 +26,6 @@ per micro-batch::
 from __future__ import annotations
 
 from dataclasses import replace
-from math import prod
 
 from .params import (embedding_parameters, layer_parameters, mlp_fc1_width, model_stage_layers, rank_layers,
                      stage_counts, stage_parameters, total_parameters)
