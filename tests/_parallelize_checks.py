@@ -14,7 +14,6 @@ chunks.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 

@@ -55,9 +55,6 @@ def _is_int(value) -> bool:
 class ParallelStyle:
     """Base of the styles (lets a plan check its values with one ``isinstance``)."""
 
-    def describe(self) -> str:
-        return repr(self)
-
 
 @dataclass(frozen=True)
 class ColwiseParallel(ParallelStyle):
