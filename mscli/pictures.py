@@ -280,7 +280,10 @@ def draw_memory(ax, memory: dict) -> list[int]:
     device = memory["device_memory_bytes"] / GIB
     xs = list(range(len(stages)))
     bottoms = [0.0] * len(stages)
-    for label, key, color in MEMORY_PARTS:
+    parts = MEMORY_PARTS
+    if any(s.get("gathered_bytes") for s in stages):  # ZeRO-3: the weights gathered for a micro-batch
+        parts = MEMORY_PARTS[:4] + (("ZeRO-3 gathered", "gathered_bytes", "#edc948"),) + MEMORY_PARTS[4:]
+    for label, key, color in parts:
         heights = [s[key] / GIB for s in stages]
         bars = ax.bar(xs, heights, bottom=bottoms, color=color, label=label, width=0.7)
         for bar, s in zip(bars, stages):
