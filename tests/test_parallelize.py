@@ -300,6 +300,18 @@ def test_unequal_chunks_warn_about_checkpoints():
                            tp_group=fake_group(2, 0))
 
 
+def test_example_in_a_plain_process(capsys, monkeypatch):
+    """``python examples/parallelize_dense.py``: tp1, the parallelized model is the dense one."""
+    monkeypatch.syspath_prepend(_parallelize_job.EXAMPLES_DIR)
+    import parallelize_dense
+
+    assert parallelize_dense.main(["--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED on all ranks" in out and "(tp=1, dp=1)" in out
+    record = parallelize_dense.run(steps=2, sequence_parallel=True)
+    assert record["parallel_losses"] == record["dense_losses"], record
+
+
 # --------------------------------------------------------------------------- the 4-rank job
 @pytest.fixture(scope="module")
 def job():
