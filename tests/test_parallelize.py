@@ -151,6 +151,21 @@ def test_mint_embedding_and_plain_dense():
         np.testing.assert_array_equal(got["out.weight"].asnumpy(), full["out.weight"][:, rank * 3:(rank + 1) * 3])
 
 
+def test_bfloat16_fused_projection_slices():
+    ms.set_seed(4)
+    dense = mint.nn.Linear(8, 12, dtype=ms.bfloat16)
+    full_w, full_b = dense.weight.float().asnumpy(), dense.bias.float().asnumpy()
+    for rank in range(2):
+        ms.set_seed(4)
+        net = nn.SequentialCell([mint.nn.Linear(8, 12, dtype=ms.bfloat16)])
+        parallelize_module(net, {"0": ColwiseParallel(chunks=3)}, tp_group=fake_group(2, rank))
+        layer = net.cell_list[0]
+        assert layer.weight.dtype == ms.bfloat16 and layer.weight.shape == (6, 8)
+        rows = [4 * c + 2 * rank + i for c in range(3) for i in range(2)]  # q_r, k_r, v_r
+        np.testing.assert_array_equal(layer.weight.float().asnumpy(), full_w[rows])
+        np.testing.assert_array_equal(layer.bias.float().asnumpy(), full_b[rows])
+
+
 @pytest.mark.parametrize("mode", ["pynative", "jit"])
 def test_tp1_is_the_dense_model(mode):
     """Without parallel groups the plan runs on a size-1 group: exactly the dense numbers."""
