@@ -199,7 +199,8 @@ def plan(
     ),
     model: Optional[str] = typer.Option(
         None, "--model", "-m",
-        help="Model file or preset (gpt3-175b, gqa-7b, sci-transformer-s): adds per-stage memory and "
+        help="Model file or preset (gpt3-175b, gqa-7b, llama3-405b, bloom-176b, tiny-gpt, tiny-llama, "
+        "sci-transformer-s): adds per-stage memory and "
         "per-step communication estimates. A 'model:' section in the layout file does the same.",
     ),
     schedule: Optional[str] = typer.Option(

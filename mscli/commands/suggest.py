@@ -104,7 +104,8 @@ def _best_layout(result: dict, workload, backend: str) -> str:
 
 
 def suggest(
-    model: str = typer.Option(..., "--model", "-m", help="Model file or preset (gpt3-175b, gqa-7b, sci-transformer-s)."),
+    model: str = typer.Option(..., "--model", "-m", help="Model file or preset (gpt3-175b, gqa-7b, llama3-405b, "
+                              "bloom-176b, tiny-gpt, tiny-llama, sci-transformer-s)."),
     world: int = typer.Option(..., "--world", "-w", help="Number of devices."),
     devices_per_node: Optional[int] = typer.Option(
         None, "--devices-per-node", "-d", help="Devices per node (default: the model file's cluster section, else 8)."),

@@ -214,7 +214,9 @@ class TrainingSpec:
             ``num_layers % (pp * v) == 0`` and micro-batches divisible by pp.
         overlap_grad_reduce: The dp-cp gradient reduction runs during the backward of the
             last micro-batch (Megatron's ``--overlap-grad-reduce``); only what exceeds
-            that backward is exposed. False: all of it follows the backward.
+            that backward is exposed. False: all of it follows the backward. This
+            library reduces after the backward, so ``plan``/``suggest`` price it exposed
+            and say so in a note (:func:`~.runtime.what_runs`).
         zero_stage: What the dp-cp group shards (Rajbhandari et al. 2020): 0 nothing,
             1 the optimizer state (with the fp32 main weights), 2 also the gradients,
             3 also the weights (``fully_shard``). None: 1 with ``distributed_optimizer``,
