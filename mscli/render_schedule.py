@@ -60,5 +60,11 @@ def schedule_view(data: dict) -> list:
         mine = [str(layers[k]) for k in range(r, len(layers), p)] if layers else []
         table.add_row(str(r), str(len(sched["actions"][r])), f"{sched['idle_fraction'][r]:.1%}",
                       str(sched["peak_in_flight"][r]), *(["+".join(mine)] if layers else []))
-    out.append(Group(head, timeline_text(sched), table))
+    parts = [head, timeline_text(sched)]
+    if sched.get("layer_timeline"):  # unequal stages: the same order with durations in layers
+        parts += [Text.assemble(("durations in layers ", "bold"), f"(a forward of model stage k = its layers "
+                                f"{sched['stage_layers']}[k] units, a backward twice): makespan "
+                                f"{sched['layer_makespan']} units"),
+                  timeline_text({"timeline": sched["layer_timeline"], "makespan": sched["layer_makespan"]})]
+    out.append(Group(*parts, table))
     return out

@@ -390,6 +390,12 @@ def test_plan_memory_per_stage_with_unequal_stages(tmp_path):
     assert data["model"]["stage_layers"] == [2, 3] and data["schedule"]["stage_layers"] == [2, 3]
     assert all(s["zero_stage"] == 3 and s["gathered_bytes"] > 0 for s in data["memory"]["stages"])
     assert any(n.startswith("--schedule: the model stages hold unequal layers [2, 3]") for n in data["notes"])
+    # The same 1F1B order with durations in layers: rank 1's first forward waits for rank 0's (2 units) and
+    # lasts 3; its backward 6. Rank 1 computes 8 x (3 + 6) = 72 units after its 2-unit wait, then rank 0's
+    # last backward (4 units) follows it: makespan 2 + 72 + 4 = 78.
+    first = data["schedule"]["layer_timeline"][1][:2]
+    assert [(e["kind"], e["start"], e["end"]) for e in first] == [("F", 2, 5), ("B", 5, 11)]
+    assert data["schedule"]["layer_makespan"] == 78
     human = invoke("plan", layout, "--model", model, "--schedule", "1f1b")
     assert human.exit_code == 0 and "gathered" in human.stdout and "ZeRO stage 3" in human.stdout
 

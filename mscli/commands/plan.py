@@ -165,14 +165,56 @@ def _stage_layers(data, workload, pp: int, virtual_stages: int) -> None:
         layers = model_stage_layers(workload.model, training, pp)
     except ModelConstraintError:
         return  # the estimate above already reported the constraint
-    data["schedule"]["stage_layers"] = layers
+    sched = data["schedule"]
+    sched["stage_layers"] = layers
     if len(set(layers)) > 1:
-        mean = sum(layers) / len(layers)
+        sched["layer_timeline"], sched["layer_makespan"] = layer_timeline(sched, layers)
         busiest = max(range(len(layers)), key=lambda k: layers[k])
         data.setdefault("notes", []).append(
-            f"--schedule: the model stages hold unequal layers {layers}; the timeline draws every action "
-            f"with the same duration, while model stage k's take layers[k] / {mean:g} as long: model stage "
-            f"{busiest} ({layers[busiest]} layers) paces the pipeline, as the step time prices it.")
+            f"--schedule: the model stages hold unequal layers {layers}: the unit timeline gives every action "
+            f"the same duration; 'layer_timeline' (printed below it) replays the same order with a forward "
+            f"of model stage k lasting layers[k] units and a backward twice that, and model stage {busiest} "
+            f"({layers[busiest]} layers) paces the pipeline, as the step time prices it. The --svg picture "
+            "draws the unit timeline.")
+
+
+def layer_timeline(sched: dict, layers: list) -> tuple[list, int]:
+    """The schedule's per-rank compute order replayed with durations in layers.
+
+    A forward of model stage ``g`` lasts ``layers[g]`` units, a backward ``2 * layers[g]``;
+    it starts when its rank is free and its inputs are there (the forward of ``g - 1``;
+    the own forward and the backward of ``g + 1``). Transfers take no time and do not
+    block, unlike the unit timeline's rendezvous: a picture of where the larger stages
+    hold the others up, not a replay of the runtime.
+
+        >>> s = {"stages": 2, "virtual_stages": 1, "timeline": [
+        ...     [{"kind": "F", "microbatch": 0, "chunk": 0}, {"kind": "B", "microbatch": 0, "chunk": 0}],
+        ...     [{"kind": "F", "microbatch": 0, "chunk": 0}, {"kind": "B", "microbatch": 0, "chunk": 0}]]}
+        >>> [[(e["start"], e["end"]) for e in rank] for rank in layer_timeline(s, [1, 3])[0]], layer_timeline(s, [1, 3])[1]
+        ([[(0, 1), (10, 12)], [(1, 4), (4, 10)]], 12)
+    """
+    p, stages = sched["stages"], sched["stages"] * sched["virtual_stages"]
+    order = [[(e["kind"], e["microbatch"], e["chunk"]) for e in rank] for rank in sched["timeline"]]
+    end, clock, pos = {}, [0] * p, [0] * p
+    out = [[] for _ in range(p)]
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(order[r]):
+                kind, mb, chunk = order[r][pos[r]]
+                g = chunk * p + r
+                deps = [("F", mb, g - 1)] if kind == "F" and g > 0 else []
+                if kind == "B":
+                    deps = [("F", mb, g)] + ([("B", mb, g + 1)] if g < stages - 1 else [])
+                if any(d not in end for d in deps):
+                    break
+                start = max([clock[r]] + [end[d] for d in deps])
+                clock[r] = end[(kind, mb, g)] = start + layers[g] * (1 if kind == "F" else 2)
+                out[r].append({"kind": kind, "microbatch": mb, "chunk": chunk, "start": start, "end": clock[r]})
+                pos[r] += 1
+                progressed = True
+    return out, max(clock, default=0)
 
 
 def plan(
