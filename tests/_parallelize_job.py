@@ -14,8 +14,8 @@ import os
 import tempfile
 
 WORLD_SIZE = 4
-# Measured 2026-12-05 on the shared 2-core machine: checks 79 s (the ms.jit case 32 s of
-# it) plus ~25 s of import and init when quiet; 147 s of checks at load average 54.
+# Measured 2026-12-05 on the shared 2-core machine: checks 39 s (the ms.jit case 10 s) plus
+# 13 s of import and init at load average 16; 79 s at load ~30; 149 s (+32 s) at load ~50.
 TIMEOUT_S = 420
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
