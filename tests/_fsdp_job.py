@@ -17,7 +17,9 @@ import os
 import sys
 
 WORLD_SIZE = 4
-TIMEOUT_S = 420
+# Measured 360 s of checks (399 s in all) with the machine at load average ~45 (other
+# jobs); ~150 s on a quieter machine.
+TIMEOUT_S = 600
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SPEC = {
@@ -29,7 +31,8 @@ SPEC = {
         {"name": "fsdp.train", "params": {"steps": 5}},
         {"name": "fsdp.parity", "params": {"tp": 2, "modes": ["pynative", "graph"]}},
         {"name": "fsdp.pipeline", "params": {"schedules": ["1f1b", "gpipe"],
-                                             "modes": ["pynative", "jit"]}},
+                                             "modes": ["pynative"]}},
+        {"name": "fsdp.pipeline", "params": {"schedules": ["1f1b"], "modes": ["jit"]}},
     ],
 }
 

@@ -263,9 +263,9 @@ def test_parity_tp2_dp2_sequence_parallel_graph_mode(job):
 
 @pytest.mark.multiprocess
 def test_pipeline_stage_fully_sharded(job):
-    records = _records(job, "fsdp.pipeline", 16)
+    records = _records(job, "fsdp.pipeline", 12)
     assert {(r["mode"], r["schedule"]) for r in records} == {
-        ("pynative", "1f1b"), ("pynative", "gpipe"), ("jit", "1f1b"), ("jit", "gpipe")}
+        ("pynative", "1f1b"), ("pynative", "gpipe"), ("jit", "1f1b")}
     for r in records:
         assert r["group"] == "pp2-dp2"
         assert r["loss_error"] <= 1e-6 and r["max_error"] < 1e-6 and r["pad_grad"] == 0.0, r
