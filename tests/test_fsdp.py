@@ -99,6 +99,19 @@ def test_shards_hold_this_ranks_rows_and_keep_names():
     assert "shape=(3,)" in repr(net)
 
 
+def test_bfloat16_shards_keep_dtype_and_values():
+    import mindspore as ms
+    from mindspore import nn
+    from mindscience.distributed import fully_shard
+
+    ms.set_seed(2)
+    dense = nn.Dense(4, 7, dtype=ms.bfloat16)
+    full = dense.weight.asnumpy().astype(np.float32)
+    fully_shard(dense, _group(4, 1))  # rows 2-3 of 7, no padding on group rank 1
+    assert dense.weight.dtype == ms.bfloat16 and tuple(dense.weight.shape) == (2, 4)
+    np.testing.assert_array_equal(dense.weight.asnumpy().astype(np.float32), full[2:4])
+
+
 def test_tp_marks_survive():
     from mindscience.distributed import fully_shard
     from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear

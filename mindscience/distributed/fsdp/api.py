@@ -57,7 +57,7 @@ def _world_rank():
     return manager._world()[0]
 
 
-def _plan(cell, nn):
+def _plan(cell):
     """``[(owner cell, attribute, Parameter)]`` to shard, and the problems found (no change)."""
     todo, problems = [], []
     seen_roots = set()
@@ -142,7 +142,7 @@ def fully_shard(cell, group=None, *, reshard_after_forward: bool = False):
             f"fully_shard: reshard_after_forward={reshard_after_forward!r} must be True or False"
         )
     g = _resolve_group(group)
-    todo, problems = _plan(cell, nn)
+    todo, problems = _plan(cell)
     if problems:
         raise FullyShardError("fully_shard: nothing was sharded: " + "; ".join(problems))
 
