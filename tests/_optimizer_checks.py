@@ -114,7 +114,7 @@ def _model(tp, tied: bool):
 def _batches(steps: int):
     """The same global batch every step, so that the loss must fall."""
     rng = np.random.default_rng(11)
-    batch = (rng.integers(0, V, (S, B)).astype(np.int32), rng.integers(0, V, (S, B)).astype(np.int32))
+    batch = tuple(rng.integers(0, V, (S, B)).astype(np.int32) for _ in range(2))
     return [batch] * steps
 
 
@@ -153,14 +153,16 @@ class _Run:
 
         from mindscience.distributed.collectives import all_reduce
 
-        return float(all_reduce(ms.Tensor(np.array([float(loss)], np.float32)), self.dp).asnumpy()[0]) / self.dp.size
+        total = all_reduce(ms.Tensor(np.array([float(loss)], np.float32)), self.dp)
+        return float(total.asnumpy()[0]) / self.dp.size
 
     def arrays(self) -> list:
         return [p.float().asnumpy().astype(np.float64) for p in self.params]
 
 
 def _tp_split(p) -> bool:
-    return bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "parallel_axis", None) == "tp")
+    return bool(getattr(p, "tensor_model_parallel", False)
+                or getattr(p, "parallel_axis", None) == "tp")
 
 
 def _reference_norm(run, grads) -> float:

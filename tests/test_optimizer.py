@@ -312,7 +312,7 @@ def test_4ranks_every_stage_and_mode_matches_the_reference(job):
     the same mode) within 1e-6 relative, the weights within WEIGHT_ATOL; every config
     trained (the loss fell by > 10 %)."""
     records = _train_records(job, dtype="float32")
-    assert len(_configs(records)) == 10 and len(records) == 10 * job_mod.WORLD_SIZE
+    assert len(_configs(records)) == 8 and len(records) == 8 * job_mod.WORLD_SIZE
     for r in records:
         label = f"rank {r['rank']} {r['group']} stage {r['stage']} {r['mode']}"
         assert r["passed"], label
@@ -323,7 +323,7 @@ def test_4ranks_every_stage_and_mode_matches_the_reference(job):
     stages = {(r["tp"], r["pp"]): set() for r in records}
     for r in records:
         stages[(r["tp"], r["pp"])].add(r["stage"])
-    assert stages == {(2, 1): {0, 1, 2, 3}, (1, 1): {1, 2, 3}, (1, 2): {0, 2}}
+    assert stages == {(2, 1): {0, 1, 2, 3}, (1, 1): {2, 3}, (1, 2): {2}}
 
 
 @pytest.mark.multiprocess
@@ -390,9 +390,8 @@ def test_4ranks_bf16_weights_train_on_fp32_main_copies(job):
 def test_4ranks_pipeline_stages_agree(job):
     records = _train_records(job, pp=2)
     assert {r["pp_rank"] for r in records} == {0, 1}
-    for stage in (0, 2):
-        losses = [r["losses"] for r in records if r["stage"] == stage]
-        assert len(losses) == job_mod.WORLD_SIZE and all(x == losses[0] for x in losses)
+    losses = [r["losses"] for r in records]
+    assert len(losses) == job_mod.WORLD_SIZE and all(x == losses[0] for x in losses)
 
 
 @pytest.mark.multiprocess

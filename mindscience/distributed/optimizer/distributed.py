@@ -147,8 +147,9 @@ class DistributedOptimizer(nn.Cell):
                                      bucket_size_mb, max_grad_norm, momentum, schedule, lr)
         if main_params_dtype != mstype.float32:
             raise DistributedOptimizerError(
-                f"DistributedOptimizer: main_params_dtype={main_params_dtype} is invalid: expected mindspore.float32 "
-                "(the main weights and moments are fp32; the model may be bf16/fp16).")
+                f"DistributedOptimizer: main_params_dtype={main_params_dtype} is invalid: "
+                "expected mindspore.float32 (the main weights and moments are fp32; the model "
+                "may be bf16/fp16).")
         dtype_names = [_dtype_name(getattr(p, "dtype", None)) for p in params]
         check_params(params, dtype_names)
         grp = _group(group, "get_data_context_parallel_group", "dp-cp")
@@ -191,11 +192,15 @@ class DistributedOptimizer(nn.Cell):
         tp = _group(tp_group, "get_tensor_parallel_group", "tp")
         emb = _group(embedding_group, "get_embedding_group", "embedding")
         pp = _group(pipeline_group, "get_pipeline_parallel_group", "pp")
-        needs_pre = ((tp.size > 1 and any(getattr(p, "sequence_parallel", False) for p in params))
-                     or (emb.size > 1 and any(getattr(p, "shared_embedding", False) for p in params)))
+        needs_pre = (
+            (tp.size > 1 and any(getattr(p, "sequence_parallel", False) for p in params))
+            or (emb.size > 1 and any(getattr(p, "shared_embedding", False) for p in params)))
         self.pre = None
         if needs_pre:
-            self.pre = GradientFinalizer(params, tp_group=tp, dp_cp_group=ParallelGroup.trivial("dp-cp"),
+            # No dp-cp mean in it: a size-1 group, or at stage 3 the fully_shard group, whose
+            # parameters GradientFinalizer leaves to fully_shard's reduce-scatter.
+            none = grp if self.stage == 3 else ParallelGroup.trivial("dp-cp")
+            self.pre = GradientFinalizer(params, tp_group=tp, dp_cp_group=none,
                                          embedding_group=emb, bucket_size_mb=mb)
 
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -210,11 +215,13 @@ class DistributedOptimizer(nn.Cell):
         """Which parameters the norm counts on this rank, and the groups it sums over."""
         counted = []
         for p in params:
-            tp_split = getattr(p, "tensor_model_parallel", False) or getattr(p, "parallel_axis", None) == "tp"
+            tp_split = (getattr(p, "tensor_model_parallel", False)
+                        or getattr(p, "parallel_axis", None) == "tp")
             # A tp-replicated parameter's gradient is the same on every tp rank; a tied
             # embedding lives on the first and the last stage: count each once.
             keep = tp_split or tp.rank == 0
-            keep = keep and not (getattr(p, "shared_embedding", False) and pp.size > 1 and pp.rank > 0)
+            tied_copy = getattr(p, "shared_embedding", False) and pp.size > 1 and pp.rank > 0
+            keep = keep and not tied_copy
             counted.append(bool(keep))
         self.counted = tuple(counted)
         groups = []
@@ -469,7 +476,9 @@ class DistributedOptimizer(nn.Cell):
             sh = self.shards[i]
             w = cols[j].reshape((self.d * sh.shard_rows, sh.rest))
             if sh.pad:
-                w = w[: sh.rows]
+                # The cut in float32: a bf16 row slice keeps its parent's storage, which
+                # the eager in-place copy of _assign rejects (measured); exact either way.
+                w = ops.cast(w, mstype.float32)[: sh.rows]
             done.append(self._assign(i, w.reshape(self.shapes[i])))
         return done
 
