@@ -302,9 +302,11 @@ def train(ctx: CheckContext, tp=1, pp=1, stage=1, mode="pynative", dtype="float3
     lay = manager.get_layout() if manager.is_initialized() else None
     if lay is None or (lay.tp, lay.pp) != (tp, pp):
         lay = reinit(manager, {"tp": tp, "pp": pp})
-    key = (tp, pp, clip, kind, steps, mode != "pynative")
+    # One PyNative reference for every mode: a reference whose value_and_grad was wrapped
+    # in ms.jit did not follow its weights' set_data between steps (losses 40 % off).
+    key = (tp, pp, clip, kind, steps)
     if key not in _REF_CACHE:
-        _REF_CACHE[key] = _reference(manager, steps, clip, kind, mode != "pynative")
+        _REF_CACHE[key] = _reference(manager, steps, clip, kind, False)
     ref_losses, ref_w, ref_norms = _REF_CACHE[key]
 
     run = _Run(manager)

@@ -24,6 +24,8 @@ ADAM_STATES = 3  # fp32 main weights, exp_avg, exp_avg_sq
 # reference sums and updates in another order / in float64) moves that weight by up to lr
 # times its relative size. Measured up to 2e-5 (stage 3, PyNative), 6e-6 elsewhere.
 WEIGHT_ATOL = 5e-5
+# ms.jit / GRAPH_MODE against the PyNative reference: measured 1.3e-6 - 1.8e-6.
+COMPILED_LOSS_RTOL = 5e-6
 
 
 # ----------------------------------------------------------------------------- pure layout
@@ -309,7 +311,8 @@ def _configs(records):
 def test_4ranks_every_stage_and_mode_matches_the_reference(job):
     """Stages 0-3 at tp2 x dp2 (PyNative; stages 1-2 also ms.jit and GRAPH_MODE), dp4 and
     pp2 x dp2 (1F1B): the losses of 5 steps equal GradientFinalizer + numpy AdamW (run in
-    the same mode) within 1e-6 relative, the weights within WEIGHT_ATOL; every config
+    PyNative) within 1e-6 relative (compiled: COMPILED_LOSS_RTOL), the weights within
+    WEIGHT_ATOL; every config
     trained (the loss fell by > 10 %)."""
     records = _train_records(job, dtype="float32")
     assert len(_configs(records)) == 8 and len(records) == 8 * job_mod.WORLD_SIZE
@@ -317,7 +320,9 @@ def test_4ranks_every_stage_and_mode_matches_the_reference(job):
         label = f"rank {r['rank']} {r['group']} stage {r['stage']} {r['mode']}"
         assert r["passed"], label
         assert len(r["losses"]) == 5 and r["losses"][-1] < 0.9 * r["losses"][0], label
-        assert r["loss_rel_error"] <= 1e-6, (label, r["losses"], r["ref_losses"])
+        # Compiled kernels round differently from PyNative's (the reference is PyNative).
+        tol = 1e-6 if r["mode"] == "pynative" else COMPILED_LOSS_RTOL
+        assert r["loss_rel_error"] <= tol, (label, r["losses"], r["ref_losses"])
         assert r["param_max_diff"] <= WEIGHT_ATOL, (label, r["param_max_diff"])
         assert r["main_vs_params"] == 0.0 and r["padding_max_abs"] == 0.0, label
     stages = {(r["tp"], r["pp"]): set() for r in records}
