@@ -464,7 +464,8 @@ def load(cell, directory, *, strict: bool = True) -> dict:
                 array = zero.shard_of(array, info.group.size, info.group.rank)
             values.append((param, name, _to_tensor(array, entry["dtype"], param)))
         loaded = {id(param): value for param, _, value in values}
-        mains = [(param, ms.Tensor(zero.derive_main(info, loaded))) for param, _, info in derived]
+        mains = [(param, ms.Tensor(zero.derive_main(info, loaded, param.shape)))
+                 for param, _, info in derived]
     except CheckpointError as err:
         error = err
     except Exception as err:  # noqa: BLE001 - the other ranks must not wait for this one

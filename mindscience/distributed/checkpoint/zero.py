@@ -58,16 +58,12 @@ class ShardInfo:
         group: The ParallelGroup it is dim-0 sharded over (None: not sharded).
         full_shape: Its shape in the checkpoint (the tp-local shape, unsharded).
         role: ``"param"``, ``"main"``, ``"moment"`` or ``"step"``.
-        opt: The optimizer it belongs to (None for a model parameter).
-        index: The base's index in the optimizer's parameters.
     """
 
     base: object
     group: object
     full_shape: tuple
     role: str
-    opt: object = None
-    index: int = -1
 
     @property
     def sharded(self) -> bool:
@@ -105,9 +101,8 @@ def discover(cell) -> tuple:
         for role, states in groups:
             # mains: one per parameter, or none (a float32 model at stage 0)
             for i, state in enumerate(states):
-                infos[id(state)] = ShardInfo(params[i], group, tuple(opt.shards[i].shape),
-                                             role, opt, i)
-        infos[id(opt.step)] = ShardInfo(None, None, tuple(opt.step.shape), "step", opt)
+                infos[id(state)] = ShardInfo(params[i], group, tuple(opt.shards[i].shape), role)
+        infos[id(opt.step)] = ShardInfo(None, None, tuple(opt.step.shape), "step")
         transient.update(id(b) for b in opt.grad_buffers)
     return infos, transient, records
 
@@ -162,20 +157,17 @@ def gather_full(items: list) -> list:
     return out
 
 
-def derive_main(info: ShardInfo, loaded: dict) -> np.ndarray:
-    """The fp32 main weight of ``info`` from its base parameter's value (``loaded``: the
-    values being assigned, by id; else the parameter's current data): this rank's rows
-    at stages 1-2, the shard itself at stage 3, the whole at stage 0."""
-    base = info.base
-    value = loaded.get(id(base))
-    if value is None:
-        value = base
+def derive_main(info: ShardInfo, loaded: dict, shape) -> np.ndarray:
+    """The fp32 main weight (of ``shape``) of ``info`` from its base parameter's value
+    (``loaded``: the values being assigned, by id; else the parameter's current data):
+    this rank's rows at stages 1-2, the shard itself at stage 3, the whole at stage 0."""
     import mindspore as ms
 
-    data = value.astype(ms.float32).asnumpy()
-    if getattr(base, "fsdp", None) is not None or not info.sharded:
-        return data.reshape(info.opt.state_shapes[info.index])
-    return shard_of(data.reshape(info.full_shape), info.group.size, info.group.rank)
+    value = loaded.get(id(info.base))
+    data = (info.base if value is None else value).astype(ms.float32).asnumpy()
+    if info.sharded and getattr(info.base, "fsdp", None) is None:
+        data = shard_of(data.reshape(info.full_shape), info.group.size, info.group.rank)
+    return data.reshape(tuple(shape))
 
 
 def record_mismatch(saved, current, directory) -> Optional[str]:
