@@ -267,7 +267,13 @@ class GPTModel(nn.Cell):
         groups = _groups(parallel)
         self.tp, self.cp, self.pp = groups["tp"], groups["cp"], groups["pp"]
         tp, cp, pp = self.tp.size, self.cp.size, self.pp.size
-        stage_layers = config.check_layout(tp, cp, pp)
+        # The dense reference is one stage whatever the config says about cutting the
+        # pipeline (the same config then serves both sides of a comparison).
+        cut = config if parallel else config.replace(
+            virtual_pipeline_stages=1, first_stage_layers=None, last_stage_layers=None,
+            account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False)
+        stage_layers = cut.check_layout(tp, cp, pp)
         if seed is None:
             seed = ms.get_seed()
         seed = 0 if seed is None else seed
@@ -279,7 +285,7 @@ class GPTModel(nn.Cell):
         init = Init(config, seed, _DTYPES[config.precision], self.tp, self.cp,
                     config.sequence_parallel)
         object.__setattr__(self, "init", init)
-        v = config.virtual_pipeline_stages if pp > 1 else 1
+        v = cut.virtual_pipeline_stages if pp > 1 else 1
         self.virtual_stages = v
         offsets = np.cumsum([0] + list(stage_layers))
         stages = pp * v
@@ -368,6 +374,8 @@ class GPTModel(nn.Cell):
         else:
             from ..pipeline import forward_backward
 
+            if mode == "jit":
+                self._compile_stages(xs[0], ts[0])
             stage = self.chunks if sched == "interleaved" else self.chunks[0]
             loss, grads = forward_backward(stage, xs, ts, self.loss_fn, schedule=sched, mode=mode,
                                            group=self.pp)
@@ -377,6 +385,38 @@ class GPTModel(nn.Cell):
         if self.cp.size > 1:
             loss = C.all_reduce(loss, self.cp) / self.cp.size
         return loss, grads
+
+    def _compile_stages(self, x0, t0):
+        """Compile every chunk's forward, backward (and loss) before the pipeline runs.
+
+        Under jit a stage compiles at its first call; in the pipeline its neighbour then
+        waits in a transfer for as long as that takes (tens of seconds for a few layers
+        on a loaded CPU), and MindSpore's CPU collectives give up on a wait that long
+        (measured: "RingAllGather CollectiveWait failed" after ~55 s). Running each
+        chunk once on zeros compiles it here, where only this stage's own tp/cp peers,
+        which do the same, take part. Once per input shape (the compiled functions are
+        cached on the chunks).
+        """
+        from ..pipeline.stage_fns import stage_fns
+
+        key = (tuple(x0.shape), tuple(t0.shape))
+        if key in self.__dict__.setdefault("_compiled_for", set()):
+            return
+        stages = self.pp.size * self.virtual_stages
+        s_cp, b = int(x0.shape[0]), int(x0.shape[1])
+        rows = s_cp // self.tp.size if self.init.sequence_parallel else s_cp
+        hidden = ops.zeros((rows, b, self.config.hidden_size), self.init.dtype)
+        for c, chunk in enumerate(self.chunks):
+            k = c * self.pp.size + self.pp.rank
+            first, last = k == 0, k == stages - 1
+            fns = stage_fns(chunk, self.loss_fn, "jit", first, last)
+            x = x0 if first else hidden
+            if last:
+                fns.loss(x, t0, ms.Tensor(0.0, ms.float32), fns.zeros(), ops.zeros((), ms.float32))
+            else:
+                y = fns.forward(x)
+                fns.backward(x, ops.zeros(y.shape, y.dtype), fns.zeros())
+        self._compiled_for.add(key)
 
     def _accumulate(self, xs, ts, mode):
         from ..pipeline.stage_fns import stage_fns

@@ -1,0 +1,82 @@
+"""The ONE 4-rank msrun job of test_models.py (a launch costs 15-25 s before any check).
+
+The checks live next to the tests (tests/_models_checks.py), imported by the workers
+through ``spec["modules"]`` with tests/ on their PYTHONPATH. Cases are grouped by layout
+so the parallel groups are re-created only when it changes. Every feature meets
+PyNative, and each of ring attention, grouped-query attention with RoPE and SwiGLU,
+1F1B and the unequal stages also meets ``mode="jit"`` once (compiling costs seconds per
+graph on 2 cores). tp2 x pp2 x dp2 (8 ranks) is shown at 4 as tp2 x pp2 and pp2 x dp2.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+WORLD_SIZE = 4
+TIMEOUT_S = 600
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+GPT, LLAMA = "tiny-gpt", "tiny-llama"
+
+
+def _case(name, preset, mode="pynative", microbatches=1, schedule=None, **config):
+    return {"name": name, "preset": preset, "mode": mode, "microbatches": microbatches,
+            "schedule": schedule, "config": config}
+
+
+def _parity(layout, *cases):
+    return {"name": "models.parity", "params": {"layout": layout, "cases": list(cases)}}
+
+
+SPEC = {
+    "modules": ["_models_checks"],
+    "layout": {"world_size": WORLD_SIZE},
+    "checks": [
+        # tp2 x cp2, sequence parallel: every context-parallel method
+        _parity({"tp": 2, "cp": 2},
+                _case("ring", GPT, "jit", microbatches=2, context_parallel_method="ring"),
+                _case("ulysses", GPT, context_parallel_method="ulysses"),
+                _case("allgather_kv", LLAMA, context_parallel_method="allgather_kv",
+                      recompute="selective"),
+                _case("ring_gqa_rope", LLAMA, context_parallel_method="ring")),
+        {"name": "models.errors", "params": {"layout": {"tp": 2, "cp": 2}}},
+        # tp2 x pp2: 1F1B, untied head (SwiGLU, RMSNorm, RoPE, GQA)
+        _parity({"tp": 2, "pp": 2},
+                _case("1f1b_tp", LLAMA, "jit", microbatches=2, num_layers=4)),
+        # pp2 x dp2: interleaved (v = 2) with the tied embedding; 5 layers cut 2 + 3
+        _parity({"tp": 1, "pp": 2},
+                _case("interleaved", GPT, microbatches=2, num_layers=4, virtual_pipeline_stages=2),
+                _case("unequal", GPT, "jit", microbatches=2, num_layers=5, first_stage_layers=2)),
+        # tp2 x dp2, sequence parallel, full recompute
+        _parity({"tp": 2},
+                _case("sequence_parallel", GPT, microbatches=2, recompute="full")),
+    ],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def run_job():
+    """Launch the battery once per session; returns the harness LaunchResult."""
+    from mindscience.distributed.harness import launch
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)}
+    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=env)
+
+
+def describe_failures(result) -> str:
+    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
+    for failure in result.failures:
+        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
+        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-25:])
+    return "\n".join(lines)
+
+
+def records_of(result, check: str) -> list:
+    """Every rank's records of ``check``."""
+    out = []
+    for _, state in sorted(result.ranks.items()):
+        for record in (state or {}).get("records", []):
+            if record.get("check") == check:
+                out.append(record)
+    return out
