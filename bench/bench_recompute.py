@@ -4,11 +4,11 @@
 
 Two ranks (pp = 2), each stage ``layers`` x (``dim`` x ``dim`` matmul + tanh), ``-m``
 micro-batches of ``batch`` rows: ``forward_backward(..., schedule="gpipe",
-recompute="full")`` then ``recompute="none"`` (kept forwards), median step time per rank,
-the parameter bytes and the activation bytes a non-last stage holds at the peak, counted
-(full: one stage input per micro-batch; kept: every matmul input and tanh output), and
-the ranks' peak RSS after each (ru_maxrss only grows: the second figure includes the
-first). Prints markdown.
+recompute="full")`` and ``recompute="none"`` (kept forwards) step by step in turn, median
+step time per rank, the parameter bytes and the activation bytes a non-last stage holds
+at the peak, counted (full: one stage input per micro-batch; kept: every matmul input and
+tanh output), and the ranks' peak RSS after full-only warm-up steps, then after the kept
+steps. Prints markdown.
 """
 
 from __future__ import annotations

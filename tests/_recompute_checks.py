@@ -22,7 +22,8 @@
     ``forward_backward`` on pp2 (x tp2, the stage a Column -> tanh -> Row with its
     all-reduce) with GPipe: the stage forwards kept (``recompute="none"``, and
     ``"selective"`` with a ``Cell.recompute()``-ed sub-block) against ``"full"``, in
-    PyNative and jit; 1F1B asked for ``"none"`` runs ``"full"`` (warning, same numbers).
+    PyNative; 1F1B asked for ``"none"``, and GPipe under jit, run ``"full"`` (a warning, the
+    same numbers).
 """
 
 from __future__ import annotations
@@ -348,11 +349,12 @@ def recompute_pipeline(ctx: CheckContext, modes=("pynative", "jit"), microbatche
             # One stage per kind for all its runs (they do not change the weights), so
             # that a compiled forward serves the recomputing and the keeping runs alike.
             stages = {}
-            for marked in (False, True):
+            for marked in ((False, True) if mode == "pynative" else (False,)):
                 ms.set_seed(100 + i)  # this stage's weights, the same for both kinds
                 stages[marked] = Stage(marked)
                 _KEEP.append(stages[marked])
-            for schedule, recompute, marked in cases:
+            # jit runs "full" whatever is asked (recompute.runtime_recompute): one case shows it
+            for schedule, recompute, marked in (cases if mode == "pynative" else cases[:1]):
                 full = step(stages[marked], schedule, mode, "full")
                 kept = step(stages[marked], schedule, mode, recompute)
                 err = max(abs(full[0] - kept[0]), _max_diff(full[1], kept[1]))
