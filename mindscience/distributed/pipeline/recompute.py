@@ -61,7 +61,8 @@ def _check(schedule, mode, recompute, pp, virtual_stages) -> None:
         raise RecomputeError(f"schedule={schedule!r} is unknown: expected one of "
                              f"{', '.join(S.SCHEDULES)}.")
     if mode not in RUNTIME_MODES:
-        raise RecomputeError(f"mode={mode!r} is invalid: expected one of {', '.join(RUNTIME_MODES)}.")
+        raise RecomputeError(f"mode={mode!r} is invalid: expected one of "
+                             f"{', '.join(RUNTIME_MODES)}.")
     for name, value in (("pp", pp), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise RecomputeError(f"{name}={value!r} is invalid: expected an integer >= 1 "
@@ -87,19 +88,14 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         (kept as ``"none"``; the model's marked cells recompute inside). ``reason``: one
         sentence saying why, for notes; it names the forced case.
 
-        ========================  ==========================================  ==================
-        configuration             what_runs                                   why
-        ========================  ==========================================  ==================
-        recompute="full"          "full" (one model stage: "none")            asked
-        one model stage           the request ("full" -> "none")              loss + grads in
-                                                                              one pass
-        gpipe, pynative           the request                                 newest-first
-                                                                              backwards keep
-        gpipe, jit                "full"                                      measured wrong
-                                                                              (forced)
-        1f1b / interleaved        "full"                                      oldest-first
-        > 1 stage, not "full"                                                 (forced)
-        ========================  ==========================================  ==================
+        By configuration (more than one model stage unless said):
+
+        * ``recompute="full"``: ``"full"``;
+        * one model stage (``pp * virtual_stages == 1``): the request, ``"full"`` read
+          as ``"none"`` (loss and gradients in one pass, nothing recomputed);
+        * GPipe in PyNative: the request (newest-first backwards keep the forwards);
+        * GPipe under jit, 1F1B, interleaved, asked ``"none"``/``"selective"``:
+          ``"full"`` (forced; measured, see the module docstring).
 
     Raises:
         RecomputeError: an unknown value, or a size < 1.
