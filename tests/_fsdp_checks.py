@@ -427,3 +427,65 @@ def bench(ctx, vocab=4096, hidden=512, ffn=2048, seq=128, batch=4, steps=5,
                             "step_s_min": round(min(times), 4), "loss": float(loss),
                             "dims": {**dims, "seq": seq, "batch": batch}, "passed": True})
     return records
+
+
+def _bf16_net(seed):
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    from mindscience.distributed.modules import ColumnParallelLinear, RowParallelLinear
+
+    class Bf16Net(nn.Cell):
+        """bfloat16 parameters (the gather's float32 round trip for reshape and slicing)."""
+
+        def __init__(self):
+            super().__init__()
+            kw = dict(param_init_dtype=ms.bfloat16, compute_dtype=ms.bfloat16)
+            self.fc1 = ColumnParallelLinear(9, 14, **kw)
+            self.fc2 = RowParallelLinear(14, 7, **kw)
+
+        def construct(self, x, t):
+            y = self.fc2(ops.tanh(self.fc1(x)))
+            return ((y - t) ** 2).mean()
+
+    ms.set_seed(seed)
+    return Bf16Net()
+
+
+@check("fsdp.bf16")
+def bf16(ctx, modes=("pynative", "jit")):
+    """dp4, bfloat16 parameters: loss equal to the whole model's, and each gradient shard
+    within one bfloat16 rounding (2^-8 of the largest entry) of the finalized gradient."""
+    import mindspore as ms
+
+    from mindscience.distributed import GradientFinalizer, fully_shard, manager
+
+    _layout(tp=1)
+    dp = manager.get_data_context_parallel_group()
+    rng = np.random.default_rng(70 + dp.rank)
+    x = ms.Tensor(rng.standard_normal((6, 9)).astype(np.float32))
+    t = ms.Tensor(rng.standard_normal((6, 7)).astype(np.float32))
+    ref = _bf16_net(3)
+    ref_params = ref.trainable_params()
+    ref_loss, ref_grads = _value_and_grad("pynative", ref, ref_params, x, t)
+    ref_grads = GradientFinalizer(ref_params)(ref_grads)
+    records = []
+    for mode in modes:
+        net = fully_shard(_bf16_net(3))
+        params = net.trainable_params()
+        loss, grads = _value_and_grad(mode, net, params, x, t)
+        grads = GradientFinalizer(params)(grads)
+        worst, worst_pad = 0.0, 0.0
+        for p, g, rg in zip(params, grads, ref_grads):
+            err, pad = _shard_error(rg.astype(ms.float32).asnumpy(),
+                                    g.astype(ms.float32).asnumpy(), p.fsdp)
+            worst, worst_pad = max(worst, err), max(worst_pad, pad)
+        loss_error = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
+        records.append({
+            "check": "fsdp.bf16", "group": f"dp{dp.size}", "mode": mode, "loss_error": loss_error,
+            "max_error": worst, "pad_grad": worst_pad,
+            "dtypes": sorted({str(p.dtype) for p in params} | {str(g.dtype) for g in grads}),
+            "shard_shapes": {p.name: list(p.shape) for p in params},
+            "passed": loss_error <= 1e-6 and worst <= 2.0 ** -8 and worst_pad == 0.0,
+        })
+    return records

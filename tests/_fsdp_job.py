@@ -29,6 +29,7 @@ SPEC = {
                                            "reshard": [False, True]}},
         {"name": "fsdp.compiled_reshard_refused", "params": {}},
         {"name": "fsdp.train", "params": {"steps": 5}},
+        {"name": "fsdp.bf16", "params": {"modes": ["pynative", "jit"]}},
         {"name": "fsdp.parity", "params": {"tp": 2, "modes": ["pynative", "graph"]}},
         {"name": "fsdp.pipeline", "params": {"schedules": ["1f1b", "gpipe"],
                                              "modes": ["pynative"]}},

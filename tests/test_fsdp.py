@@ -303,3 +303,14 @@ def test_zero3_training_matches_reference_adamw(job):
 def test_compiled_code_refuses_reshard_after_forward(job):
     records = _records(job, "fsdp.compiled_reshard_refused", 4)
     assert all(r["passed"] for r in records), records
+
+
+@pytest.mark.multiprocess
+def test_bfloat16_parameters_pynative_and_jit(job):
+    records = _records(job, "fsdp.bf16", 8)
+    assert {r["mode"] for r in records} == {"pynative", "jit"}
+    for r in records:
+        assert r["dtypes"] == ["BFloat16"], r  # shards and their gradients stay bfloat16
+        assert r["loss_error"] <= 1e-6 and r["max_error"] <= 2.0 ** -8, r
+        assert r["pad_grad"] == 0.0
+        assert r["shard_shapes"]["fc1.weight"] == [4, 9]  # 14 rows over dp4: 2 pad rows
