@@ -183,13 +183,44 @@ class Trainer:
         from mindscience.distributed import checkpoint
 
         state = self.state()
-        info = checkpoint.load(state.cell(), directory)
+        # Not strict: a tied output layer is a second copy only at pp > 1, so a checkpoint
+        # of another pipeline size has one parameter (and its moments) more or less; the
+        # copy is set from the embedding below. The parent checked the model (train's
+        # check_resume) before any rank started.
+        info = checkpoint.load(state.cell(), directory, strict=False)
+        self._sync_tied_copy()
         state.push()
         self.first_step = int(info["step"] or 0)
         position = (info.get("extra") or {}).get("data_position", self.first_step * self.opts.global_batch_size)
         # Step k reads sequences first_sequence + k*G ..: the saved position is step first_step's.
         self.first_sequence = int(position) - self.first_step * self.opts.global_batch_size
         return info
+
+    def _sync_tied_copy(self) -> None:
+        """At pp > 1 with tied embeddings, the last stage's output layer (and its moments)
+        := the first stage's word embedding, over the embedding group (a sum with zeros)."""
+        import mindspore as ms
+
+        from mindscience.distributed import manager
+        from mindscience.distributed.collectives import all_reduce
+
+        model = self.model
+        if not self.config.tie_embeddings or model.pp.size == 1:
+            return
+        emb = getattr(model, "embedding", None)
+        out = getattr(model, "output_layer", None)
+        if (emb is None) == (out is None):  # a middle stage, or both on one rank
+            return
+        group = manager.get_embedding_group()
+        state = self.state()
+        index = {id(p): i for i, p in enumerate(self.params)}
+        mine = emb.word_embeddings.weight if emb is not None else out.weight
+        tensors = [mine] + [getattr(state.moments, n)[index[id(mine)]] for n in state.moments.state_names]
+        for t in tensors:
+            value = t.asnumpy() if emb is not None else np.zeros(t.shape, np.float32)
+            summed = all_reduce(ms.Tensor(value.astype(np.float32)), group)
+            if out is not None:
+                t.set_data(summed.astype(t.dtype))
 
     def memory_bytes(self) -> dict:
         """This rank's bytes of weights, gradients and optimizer state (contract C2) and its stage."""
