@@ -11,6 +11,8 @@ import functools
 import os
 
 WORLD_SIZE = 4
+# Checks measured at 230-310 s on the shared 2-core machine at load averages 30-50 (other
+# engineers' jobs); a quiet machine was not available to time them.
 TIMEOUT_S = 600
 
 _TP2_CP2 = {"tp": 2, "cp": 2}
@@ -28,7 +30,9 @@ SPEC = {
                                                 "variants": ["selective"],
                                                 "methods": ["allgather_kv"]}},
         {"name": "recompute.rng", "params": {"layout": _TP2_CP2}},
-        {"name": "recompute.pipeline", "params": {"layout": _TP2_PP2}},
+        # PyNative only: under jit the runtime recomputes whatever is asked (the pure
+        # runtime_recompute says so, unit-tested); its compile cost 40-60 s of this job
+        {"name": "recompute.pipeline", "params": {"layout": _TP2_PP2, "modes": ["pynative"]}},
     ],
 }
 _ALL = "ring+ulysses+allgather_kv"
