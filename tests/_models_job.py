@@ -14,8 +14,10 @@ import functools
 import os
 
 WORLD_SIZE = 4
-# Measured 2026-12-05 under a load average of 20-70 on the shared 2-core machine: the
-# tp2 x cp2 group ~280 s, the pipeline groups ~270 s; a quiet machine needs a fraction.
+# Measured 2026-12-05 on the shared 2-core machine under a load average of 20-30 (other
+# engineers' jobs): 447 s launch to finish (pytest 472 s); the jit cases dominate (ring
+# 117 s, 1F1B 98 s, unequal 61 s a case, mostly compiling), PyNative cases 19-37 s with
+# the dense reference. Earlier under load 50-70: ~330 s for the pipeline groups alone.
 TIMEOUT_S = 1500
 HERE = os.path.dirname(os.path.abspath(__file__))
 
