@@ -99,7 +99,8 @@ def zero_memory(ctx, model: str = "tiny-gpt") -> list:
 
 
 @check("bench.zero_step")
-def zero_step(ctx, model: str = "tiny-gpt", steps: int = 6, warmup: int = 2) -> list:
+def zero_step(ctx, model: str = "tiny-gpt", steps: int = 6, warmup: int = 2,
+              stages=(0, 1, 2, 3)) -> list:
     import numpy as np
 
     from mindscience.distributed import manager
@@ -108,7 +109,7 @@ def zero_step(ctx, model: str = "tiny-gpt", steps: int = 6, warmup: int = 2) -> 
 
     lay = reinit(manager, {"tp": 1})
     records = []
-    for stage in range(4):
+    for stage in stages:
         config, net, opt = _build(model, "fp32", stage)
         rng = np.random.default_rng(0)
         rows = config.micro_batch_size
@@ -148,11 +149,14 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="tiny-gpt")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--skip-steps", action="store_true", help="only the memory table")
+    parser.add_argument("--skip-memory", action="store_true", help="only the step times")
+    parser.add_argument("--step-stages", type=int, nargs="+", default=[0, 1, 2, 3])
     args = parser.parse_args(argv)
     command = "python bench/bench_zero.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    checks = [{"name": "bench.zero_memory", "params": {"model": args.model}}]
+    checks = [] if args.skip_memory else [{"name": "bench.zero_memory", "params": {"model": args.model}}]
     if not args.skip_steps:
-        checks.append({"name": "bench.zero_step", "params": {"model": args.model, "steps": args.steps}})
+        checks.append({"name": "bench.zero_step", "params": {"model": args.model, "steps": args.steps,
+                                                             "stages": args.step_stages}})
     spec = {"checks": checks, "modules": ["bench_zero"]}
     load_before = _loadavg()
     launched = run_bench_launch(spec, WORLD, args.timeout, progress_every_s=60)
@@ -168,6 +172,8 @@ def main(argv=None) -> int:
           "total | cost model | held / priced |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     mem = [r for r in recs if r["check"] == "bench.zero_memory"]
+    if not mem:
+        print("(memory table skipped)")
     keys = sorted({(r["layout"], r["precision"], r["stage"]) for r in mem})
     for layout, precision, stage in keys:
         sel = [r for r in mem if (r["layout"], r["precision"], r["stage"]) == (layout, precision, stage)]
@@ -176,8 +182,9 @@ def main(argv=None) -> int:
         print(f"| {layout.split(':')[0]} | {precision} | {stage} | {r['d']} | {r['params']:,} | "
               f"{h['weights']:,} | {h['gradients']:,} | {h['optimizer']:,} | {sum(h.values()):,} | "
               f"{sum(p.values()):,.0f} | {r['ratio']:.4f} |")
-    worst = max(abs(r["ratio"] - 1) for r in mem)
-    print(f"largest |held / priced - 1| over every rank: {worst:.4f}")
+    if mem:
+        worst = max(abs(r["ratio"] - 1) for r in mem)
+        print(f"largest |held / priced - 1| over every rank: {worst:.4f}")
     step = [r for r in recs if r["check"] == "bench.zero_step"]
     if step:
         print()
@@ -185,7 +192,7 @@ def main(argv=None) -> int:
         print("| stage | forward+backward s | optimizer call s | step s | step vs stage 0 | bytes held |")
         print("|---|---|---|---|---|---|")
         base = None
-        for stage in range(4):
+        for stage in sorted({r["stage"] for r in step}):
             sel = [r for r in step if r["stage"] == stage]
             fb, op = _slowest_median(sel, "fb_s"), _slowest_median(sel, "opt_s")
             total = fb + op
