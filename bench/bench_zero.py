@@ -18,7 +18,7 @@ One 4-rank msrun launch; this file is also the check module the workers import
     time, the optimizer call alone and the whole step.
 
 4 ranks on 2 shared cores are oversubscribed: absolute times are dominated by that; the
-ratios to stage 0 are what docs/_bench/optimizer.md reports.
+ratios to stage 0 are what docs/BENCHMARKS.md ("DistributedOptimizer (ZeRO stages 0-3)") reports.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and pp2 x dp2. Compiled modes dominate the time (each compiles one model; measur
 layout that needs it: ms.jit at dp4 and under the pipeline, GRAPH_MODE at tp2 x dp2.
 
 ``python tests/_fsdp_job.py`` runs it and prints every rank's records (the bench uses
-the "fsdp.bench" check the same way, see docs/_bench/fsdp.md).
+the "fsdp.bench" check the same way, see docs/BENCHMARKS.md, "`fully_shard` (ZeRO-3 / FSDP)").
 """
 
 from __future__ import annotations
