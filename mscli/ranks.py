@@ -161,8 +161,11 @@ def clear_stale(log_dir) -> None:
 
 
 def launch_ranks(spec: dict, layout, plan: dict, *, progress: bool, timeout: float, local: bool,
-                 nodes, node_rank, master_addr, master_port, loopback_nodes, log_dir):
+                 nodes, node_rank, master_addr, master_port, loopback_nodes, log_dir, on_progress=None):
     """Run ``spec`` on the layout's ranks as ``plan`` says, with the progress view on stderr.
+
+    ``on_progress``, if given, also receives every harness snapshot (each rank's records
+    so far among them), after the progress view.
 
     Returns:
         The harness's LaunchResult.
@@ -178,19 +181,25 @@ def launch_ranks(spec: dict, layout, plan: dict, *, progress: bool, timeout: flo
                         enabled=progress)
     spec = {**spec, "gather": plan["mode"] == "cluster" and nodes > 1}
     clear_stale(log_dir)
+
+    def report(snapshot):
+        view.update(snapshot)
+        if on_progress is not None:
+            on_progress(snapshot)
+
     with user_errors():
         try:
             with view:
                 if plan["mode"] == "loopback":
                     return harness.launch_local_multinode(spec, world, loopback_nodes, master_port=master_port,
                                                           timeout=timeout, log_dir=log_dir, env=env,
-                                                          on_progress=view.update)
+                                                          on_progress=report)
                 if plan["mode"] == "cluster":
                     return harness.launch(spec, world, local_worker_num=plan["local"], node_rank=node_rank,
                                           master_addr=master_addr, master_port=master_port, timeout=timeout,
-                                          log_dir=log_dir, env=env, on_progress=view.update)
+                                          log_dir=log_dir, env=env, on_progress=report)
                 return harness.launch(spec, world, master_port=master_port, timeout=timeout, log_dir=log_dir,
-                                      env=env, on_progress=view.update)
+                                      env=env, on_progress=report)
         except harness.LaunchError as err:
             raise UsageError(str(err)) from None
 

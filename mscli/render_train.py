@@ -1,4 +1,4 @@
-"""Rendering of ``msdist train``: a line per step, then measured beside predicted.
+"""Rendering of ``msdist train``: the run, a line per step as it happens, then measured beside predicted.
 
 Like :mod:`mscli.render`, it only draws the plain data the command built
 (:mod:`mindscience.distributed.training.report`).
@@ -6,11 +6,14 @@ Like :mod:`mscli.render`, it only draws the plain data the command built
 
 from __future__ import annotations
 
+import sys
+
+from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .render import print_json, stderr_console, stdout_console
+from .render import RECORD_WIDTH, print_json, stderr_console, stdout_console
 from .render_cost import human_bytes, human_rate, human_seconds
 
 
@@ -58,20 +61,49 @@ def comparison_table(report: dict) -> Table:
     return table
 
 
-def render_report(report: dict) -> None:
-    """The human view: title, a line per step, the comparison table, checkpoints written."""
+def render_header(model: dict, training: dict, layout: dict, resumed: dict | None) -> None:
+    """What runs (printed before the ranks start): model, layout, batch, and the resumed step."""
     console = stdout_console()
-    model, training, layout = report["model"], report["training"], report["layout"]
     console.print(Text(
         f"msdist train: {model.get('name') or 'model'} at tp={layout['tp']} cp={layout['cp']} dp={layout['dp']} "
         f"pp={layout['pp']} ({layout['world_size']} ranks), {training['global_batch_size']} sequences x "
         f"{model['seq_length']} tokens per step, micro-batch {training['micro_batch_size']}, zero stage "
         f"{training['zero_stage']}, recompute {training['recompute']}, {training['mode']}", style="bold"))
-    resumed = report.get("resumed")
     if resumed:
         console.print(f"resumed from {resumed['directory']} (step {resumed['step']})")
-    for row in report["steps"]:
+
+
+def live_console() -> Console:
+    """The stdout console for lines printed while the progress display runs on stderr.
+
+    The display (a Rich Live) redirects ``sys.stdout`` through itself while it runs, so
+    that on a terminal a line goes above the progress bars of the same screen. When stdout
+    is not a terminal (a file, a pipe) that redirection would send the line to stderr:
+    write to the real stdout instead.
+    """
+    out = sys.stdout
+    real = getattr(out, "rich_proxied_file", out)
+    isatty = getattr(real, "isatty", None)
+    console = Console(file=out if isatty is not None and isatty() else real, highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        console.width = RECORD_WIDTH
+    return console
+
+
+def print_steps(rows: list, console: Console | None = None) -> None:
+    """One :func:`step_line` per row, as the steps finish (see :func:`live_console`)."""
+    console = console or live_console()
+    for row in rows:
         console.print(step_line(row))
+
+
+def render_report(report: dict, shown=()) -> None:
+    """The end of the human view: the step lines not ``shown`` during the run, the
+    comparison table, the checkpoints written (:func:`render_header` printed the title)."""
+    console = stdout_console()
+    for row in report["steps"]:
+        if row["step"] not in shown:
+            console.print(step_line(row))
     console.print(comparison_table(report))
     for path in report.get("checkpoints") or []:
         console.print(f"saved {path}")

@@ -166,6 +166,108 @@ def test_rich_report_and_a_failed_rank(tmp_path, monkeypatch):
     assert "rank 1 failed: crash: rank 1 died (signal 9)" in failed.stderr
 
 
+def snapshot_of(ranks, upto):
+    """A harness snapshot where rank r has finished its checks up to record ``upto[r]``."""
+    return {"ranks": {r: {"status": "running", "done": upto[r], "records": state["records"][:upto[r]]}
+                      for r, state in ranks.items()}}
+
+
+class LiveLaunch(FakeLaunch):
+    """Calls the progress callback as the harness does while the ranks run, and keeps
+    what stdout held after each call."""
+
+    def __init__(self, ranks, progress):
+        super().__init__(ranks)
+        self.progress, self.seen = progress, []
+
+    def __call__(self, spec, world_size, *args, **kwargs):
+        import sys
+
+        for upto in self.progress:
+            kwargs["on_progress"](snapshot_of(self.ranks, upto))
+            sys.stdout.flush()
+            self.seen.append(sys.stdout.buffer.getvalue().decode())
+        return super().__call__(spec, world_size, *args, **kwargs)
+
+
+def test_rich_step_lines_are_printed_as_the_steps_finish(tmp_path, monkeypatch):
+    # records: layout.groups, train.setup, step 1, step 2, step 3, train.finish
+    ranks = {r: rank_state(r, 0, [5.5, 5.25, 5.0], [2.0, 0.5 + r, 0.25], MEM) for r in range(2)}
+    live = LiveLaunch(ranks, progress=[{0: 3, 1: 2}, {0: 4, 1: 3}, {0: 4, 1: 4}, {0: 6, 1: 6}])
+    monkeypatch.setattr(harness, "launch", live)
+    lay = layout_file(tmp_path, "dp2", 2)
+    result = invoke(lay, "--model", "tiny-gpt", "--steps", "3")
+    assert result.exit_code == 0, result.output
+    first, second, third, last = live.seen
+    assert first.startswith("msdist train: tiny-gpt at tp=1 cp=1 dp=2 pp=1 (2 ranks)")
+    assert "step " not in first  # rank 1 has not finished step 1 yet
+    assert "step    1  loss 5.500000  2.00 s" in second and "step    2" not in second
+    assert "step    2  loss 5.250000  1.50 s" in third  # the slowest rank's time
+    assert "step    3  loss 5.000000  250.00 ms" in last and "measured vs predicted" not in last
+    out = result.stdout
+    assert out.startswith(last)  # the header and the lines came first, the report after
+    for k in (1, 2, 3):
+        assert out.count(f"step    {k}  loss") == 1
+    assert out.index("step    3") < out.index("measured vs predicted")
+
+
+def test_json_mode_prints_no_step_lines(tmp_path, monkeypatch):
+    ranks = {r: rank_state(r, 0, [5.5, 5.25], [2.0, 0.5], MEM) for r in range(2)}
+    live = LiveLaunch(ranks, progress=[{0: 3, 1: 3}, {0: 5, 1: 5}])
+    monkeypatch.setattr(harness, "launch", live)
+    lay = layout_file(tmp_path, "dp2", 2)
+    result = invoke(lay, "--model", "tiny-gpt", "--steps", "2", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert live.seen == ["", ""]
+    assert [s["loss"] for s in json.loads(result.stdout)["steps"]] == [5.5, 5.25]
+
+
+def test_step_printer_waits_for_every_rank_and_prints_each_step_once():
+    import io
+
+    from rich.console import Console
+
+    from mscli.commands.train import StepPrinter
+
+    buffer = io.StringIO()
+    printer = StepPrinter(tokens_per_step=512, flops_per_step=2e9, world_size=2, peak_tflops=1.0,
+                          console=Console(file=buffer, width=200))
+    ranks = {r: rank_state(r, 0, [4.0, 3.0], [1.0 + r, 0.5], MEM) for r in range(2)}
+    printer(snapshot_of(ranks, {0: 4, 1: 2}))
+    assert buffer.getvalue() == ""
+    printer(snapshot_of(ranks, {0: 4, 1: 3}))
+    assert buffer.getvalue().splitlines() == ["step    1  loss 4.000000  2.00 s  256 tokens/s  MFU 0.05%"]
+    printer(snapshot_of(ranks, {0: 5, 1: 5}))
+    printer(snapshot_of(ranks, {0: 5, 1: 5}))  # the same records again: nothing new
+    lines = buffer.getvalue().splitlines()
+    assert len(lines) == 2 and lines[1] == "step    2  loss 3.000000  500.00 ms  1.02 K tokens/s  MFU 0.20%"
+    assert printer.printed == {1, 2}
+    # ranks that disagree on a loss print nothing (the final report names them)
+    ranks[1]["records"][2]["loss"] = 9.0
+    other = StepPrinter(tokens_per_step=512, flops_per_step=1e9, world_size=2, peak_tflops=1.0,
+                        console=Console(file=io.StringIO(), width=200))
+    other(snapshot_of(ranks, {0: 5, 1: 5}))
+    assert other.printed == set()
+
+
+def test_live_lines_reach_stdout_past_the_progress_redirection(monkeypatch):
+    """While the progress display runs, Rich routes sys.stdout through its stderr console;
+    when stdout is not a terminal the step lines must still land on stdout."""
+    import io
+    import sys
+
+    from rich.console import Console
+    from rich.file_proxy import FileProxy
+
+    from mscli import render_train
+
+    real, display = io.StringIO(), Console(file=io.StringIO(), width=200)
+    monkeypatch.setattr(sys, "stdout", FileProxy(display, real))
+    render_train.print_steps([{"step": 7, "loss": 2.5, "time_s": 0.5, "tokens_per_s": 100.0, "mfu": 0.01}])
+    assert real.getvalue() == "step    7  loss 2.500000  500.00 ms  100 tokens/s  MFU 1.00%\n"
+    assert display.file.getvalue() == ""
+
+
 # ----------------------------------------------------------------------------- end to end
 # GPTModel's compiled step does not build yet (its loss cell holds a group object that
 # ms.jit cannot take); the end-to-end runs use PyNative until it does.

@@ -1,4 +1,5 @@
-"""The pure parts of ``mindscience.distributed.training``: data cutting, options, the report."""
+"""``mindscience.distributed.training``: the pure parts (data cutting, options, the report), and
+the Trainer in one process (every group of size 1): a ZeRO stage-3 checkpoint resumed at stage 1."""
 
 import json
 import os
@@ -90,6 +91,12 @@ def test_options_defaults_and_microbatches():
         options.microbatches(opts, 8)
 
 
+def test_stage3_saves_and_resumes():
+    # stage-3 checkpoints go through checkpoint.save/load like any stage's (checkpoint.zero)
+    opts = TrainOptions(zero_stage=3, save="ck", save_every=2, resume="ck/step_2")
+    assert (opts.zero_stage, opts.save, opts.resume) == (3, "ck", "ck/step_2")
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"steps": 0}, "--steps 0 is invalid"),
     ({"zero_stage": 4}, "--zero-stage 4 is invalid"),
@@ -152,6 +159,20 @@ def test_merge_rank_steps_takes_the_slowest_rank_and_checks_agreement():
         report.merge_rank_steps(ranks)
 
 
+def test_finished_steps_waits_for_the_slowest_rank():
+    ranks = {0: [{"step": 3, "loss": 5.0, "time_s": 0.5}, {"step": 4, "loss": 4.0, "time_s": 0.2}],
+             1: [{"step": 3, "loss": 5.0, "time_s": 0.7}],
+             2: []}
+    assert report.finished_steps(ranks, [0, 1, 2]) == []  # rank 2 has not finished step 3
+    assert report.finished_steps(ranks, [0, 1]) == [(3, 5.0, 0.7)]
+    ranks[1].append({"step": 4, "loss": 4.0, "time_s": 0.3})
+    assert report.finished_steps(ranks, [0, 1]) == [(3, 5.0, 0.7), (4, 4.0, 0.3)]
+    assert report.finished_steps(ranks, []) == []
+    ranks[1][1]["loss"] = 4.5
+    with pytest.raises(ValueError, match="step 4: rank 1 reports loss 4.5"):
+        report.finished_steps(ranks, [0, 1])
+
+
 def test_build_report_measured_vs_predicted():
     steps = report.step_rows([(1, 5.5, 2.0), (2, 5.0, 0.25), (3, 4.5, 0.3), (4, 4.0, 0.2)],
                              tokens_per_step=512, flops_per_step=4e9, world_size=4, peak_tflops=0.1)
@@ -199,3 +220,54 @@ def test_pure_modules_do_not_import_mindspore():
             "mindscience.distributed.training.report; print('mindspore' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- Trainer, one process
+MINI = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+            num_query_groups=4, ffn_hidden_size=64, name="mini")
+
+
+def _trainer(tmp_path, stage, steps, **kwargs):
+    import mindspore as ms
+
+    from mindscience.distributed.costmodel.spec import ModelSpec, TrainingSpec
+    from mindscience.distributed.training.loop import Trainer
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    opts = TrainOptions(steps=steps, micro_batch_size=2, global_batch_size=4, zero_stage=stage, mode="pynative",
+                        data=str(tmp_path / "tokens.npy"), **kwargs)
+    return Trainer(ModelSpec(**MINI), TrainingSpec(), opts)
+
+
+def test_stage3_checkpoint_resumes_at_stage1_where_the_run_stopped(tmp_path):
+    """checkpoint.save of the model + DistributedOptimizer at stage 3 (fully_shard), loaded
+    at stage 1: the step counter, the data position and the state continue the run."""
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(3).integers(0, 64, 2000).astype(np.int32))
+    ckpt = tmp_path / "ck"
+    run = _trainer(tmp_path, 3, 2, save=str(ckpt), save_every=1)
+    rows = []
+    for k in run.remaining_steps():
+        rows.append(run.train_step(k))
+        run.maybe_save(k)
+    assert run.saved == [str(ckpt / "step_1"), str(ckpt / "step_2")]
+    assert rows[0]["loss"] != rows[1]["loss"]
+    manifest = json.loads((ckpt / "step_1" / "manifest.json").read_text())
+    assert manifest["step"] == 1 and manifest["extra"]["data_position"] == 4
+    assert [(o["kind"], o["zero_stage"]) for o in manifest["optimizers"]] == [("adamw", 3)]
+    names = sorted(manifest["parameters"])
+    assert len([n for n in names if n.endswith(".exp_avg_sq")]) == len(run.params)
+    assert not [n for n in names if n.endswith((".main", ".grad_buffer"))]  # fp32: mains = weights
+
+    resumed = _trainer(tmp_path, 1, 1)
+    info = resumed.resume(str(ckpt / "step_1"))
+    assert info["step"] == 1 and resumed.first_step == 1 and list(resumed.remaining_steps()) == [1]
+    assert int(resumed.optimizer.step.asnumpy()) == 1
+    np.testing.assert_array_equal(resumed.batch(1)[0], run.batch(1)[0])
+    row = resumed.train_step(1)
+    assert row["step"] == 2
+    assert abs(row["loss"] - rows[1]["loss"]) <= 1e-6 * abs(rows[1]["loss"]), (row, rows)
+    want = {p.name: p.asnumpy() for p in run.model.trainable_params()}
+    got = {p.name: p.asnumpy() for p in resumed.model.trainable_params()}
+    assert sorted(got) == sorted(want)
+    for name, value in got.items():
+        np.testing.assert_allclose(value, want[name].reshape(value.shape), rtol=0, atol=1e-6, err_msg=name)

@@ -167,6 +167,42 @@ def report_from_ranks(ranks: dict, *, layout, workload, opts, estimate: dict, pe
                            extra={**extra, "checkpoints": got["saved"]})
 
 
+class StepPrinter:
+    """The harness progress callback of the rich view: each step's line as soon as every
+    rank of this machine has reported the step (the slowest rank's time), in step order.
+
+    Args:
+        tokens_per_step: ``global_batch_size * seq_length``.
+        flops_per_step: The cost model's model FLOPs of a step (for the MFU).
+        world_size: Ranks of the run.
+        peak_tflops: Peak of one device.
+        console: Where the lines go (default :func:`mscli.render_train.live_console`).
+
+    Attributes:
+        printed: The steps whose line was printed (the report prints the others).
+    """
+
+    def __init__(self, *, tokens_per_step: int, flops_per_step: float, world_size: int, peak_tflops: float,
+                 console=None):
+        self.scale = (tokens_per_step, flops_per_step, world_size, peak_tflops)
+        self.console = console
+        self.printed: set = set()
+
+    def __call__(self, snapshot: dict) -> None:
+        from mindscience.distributed.training import report as tr
+
+        ranks = snapshot.get("ranks") or {}
+        try:
+            done = tr.finished_steps(tr.collect(ranks)["steps"], ranks)
+        except ValueError:
+            return  # ranks that disagree on a loss: the final report names them
+        new = [row for row in done if row[0] not in self.printed]
+        if not new:
+            return
+        render_train.print_steps(tr.step_rows(new, *self.scale), self.console)
+        self.printed.update(row[0] for row in new)
+
+
 def train(
     layout: Optional[str] = typer.Argument(None, help="Layout YAML file or bundled name (default: the 4-rank CPU layout)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model file or preset (tiny-gpt, tiny-llama, ...); its training: section gives the defaults."),
@@ -230,9 +266,20 @@ def train(
             for line in dry_run_lines(spec_layout, nodes or loopback_nodes, master_addr, master_port, plan, run_dir):
                 typer.echo(line)
             return
+    printer = None
+    if fmt == "rich" and not (plan["mode"] == "cluster" and node_rank):  # the node that prints the report
+        render_train.render_header(asdict(workload.model), {**asdict(workload.training), **opts.to_dict()},
+                                   spec_layout.to_dict(), resume_info)
+    if fmt == "rich" and (plan["mode"] != "cluster" or plan["local"] == spec_layout.world_size):
+        # This machine watches every rank (loopback nodes included), so a step's line holds
+        # the slowest rank's time; on a cluster the other nodes' ranks are known only at
+        # the end, and the lines are printed then.
+        printer = StepPrinter(tokens_per_step=opts.global_batch_size * workload.model.seq_length,
+                              flops_per_step=predicted["time"]["model_flops_per_step"],
+                              world_size=spec_layout.world_size, peak_tflops=priced.cluster.peak_tflops)
     result = launch_ranks(spec, spec_layout, plan, progress=fmt == "rich", timeout=timeout, local=local,
                           nodes=nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                          loopback_nodes=loopback_nodes, log_dir=run_dir)
+                          loopback_nodes=loopback_nodes, log_dir=run_dir, on_progress=printer)
     if plan["mode"] == "cluster" and node_rank:
         render_train.node_done(node_rank, result.ok)
         if not result.ok:
@@ -257,6 +304,6 @@ def train(
 
         render.print_json(report)
     else:
-        render_train.render_report(report)
+        render_train.render_report(report, shown=printer.printed if printer else ())
     if not report["ok"]:
         raise typer.Exit(EXIT_FAILED)

@@ -291,6 +291,7 @@ class _Monitor:
 
         Statuses: ``pending`` (no file yet), ``starting``, ``running``, ``done``,
         ``error``, ``crashed``; in the final snapshot also the failure kinds.
+        Each rank also has ``records``: those of its checks done so far.
         """
         final = {f["rank"]: f["kind"] for f in failures or []}
         ranks = {}
@@ -305,6 +306,8 @@ class _Monitor:
                 "done": state.get("done", 0),
                 "total": state.get("total", self.total),
                 "pid": self.pids.get(rank),
+                # the records of the checks done so far (a caller may show them as they come)
+                "records": state.get("records", []),
             }
         return {
             "elapsed_s": round(time.monotonic() - self.start, 2),

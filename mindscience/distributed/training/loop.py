@@ -1,11 +1,13 @@
 """The training loop: GPTModel with DistributedOptimizer (AdamW) at the layout in force.
 
-One :class:`Trainer` per rank, after ``manager.initialize_parallel``; ``msdist train``
-drives it through the harness checks of :mod:`mindscience.distributed.harness.checks.train`,
-the tests and ``msdist verify --model`` the same way::
+One :class:`Trainer` per rank, after ``manager.initialize_parallel`` (without it, one
+process with every group of size 1); ``msdist train`` drives it through the harness checks
+of :mod:`mindscience.distributed.harness.checks.train`, the tests and ``msdist verify
+--model`` the same way::
 
-    trainer = Trainer(model_spec, TrainOptions(steps=4, micro_batch_size=2, global_batch_size=8))
-    trainer.resume("ckpt/step_2")            # optional: any layout's checkpoint
+    trainer = Trainer(model_spec, training_spec, TrainOptions(steps=4, micro_batch_size=2,
+                                                              global_batch_size=8))
+    trainer.resume("ckpt/step_2")            # optional: any layout's and ZeRO stage's checkpoint
     for step in trainer.remaining_steps():   # counts on from the resumed step
         row = trainer.train_step(step)       # {"step", "loss", "time_s"}
         trainer.maybe_save(step)
@@ -16,6 +18,12 @@ Each step reads this data-parallel rank's share of the global batch of that step
 ``model.forward_backward`` over ``G / (b * dp)`` micro-batches (the pipeline schedule
 when pp > 1) and ``opt(grads)``; the loss it reports is the global batch's, the same
 number on every rank and at every layout.
+
+Checkpoints are ``checkpoint.save`` / ``checkpoint.load`` of ``nn.CellList([model,
+optimizer])``: the weights, the optimizer's moments (and bf16 models' fp32 main weights)
+saved whole in each parameter's tp-local shape whatever the ZeRO stage, and its step
+counter (:mod:`mindscience.distributed.checkpoint.zero`); ``extra`` keeps the data
+position and the model. So a run at stage 3 resumes at stage 0-2, at any layout.
 """
 
 from __future__ import annotations
@@ -61,15 +69,19 @@ class Trainer:
 
     def __init__(self, model_spec, training, opts: TrainOptions, token_file=None, replicate_batch: bool = False):
         import mindspore as ms
+        from mindspore import nn
 
         from mindscience.distributed import manager
+        from mindscience.distributed.group import ParallelGroup
         from mindscience.distributed.models import GPTModel
         from mindscience.distributed.optimizer import DistributedOptimizer
 
         self.spec, self.opts = model_spec, opts
-        self.layout = manager.get_layout()
-        self.dp_group = manager.get_data_parallel_group()
-        self.pp_group = manager.get_pipeline_parallel_group()
+        # Without initialize_parallel (one process, e.g. a test) every group has size 1,
+        # as for GPTModel and DistributedOptimizer.
+        parallel = manager.is_initialized()
+        self.dp_group = manager.get_data_parallel_group() if parallel else ParallelGroup.trivial("dp")
+        self.pp_group = manager.get_pipeline_parallel_group() if parallel else ParallelGroup.trivial("pp")
         self.replicate = replicate_batch
         self.dp = 1 if replicate_batch else self.dp_group.size
         self.dp_rank = 0 if replicate_batch else self.dp_group.rank
@@ -85,15 +97,19 @@ class Trainer:
         if opts.zero_stage == 3:
             from mindscience.distributed.fsdp import fully_shard
 
-            # Stage 3 steps the dim-0 shards fully_shard makes (contract C3).
-            fully_shard(self.model)
+            # Stage 3 steps the dim-0 shards fully_shard makes (contract C3), over the
+            # optimizer's group.
+            fully_shard(self.model, manager.get_data_context_parallel_group() if parallel
+                        else ParallelGroup.trivial("dp-cp"))
         self.params = self.model.trainable_params()
         self.optimizer = DistributedOptimizer(self.params, optimizer="adamw", lr=opts.lr,
                                               zero_stage=opts.zero_stage)
         self.first_step = 0  # steps already trained (the resumed step counter)
         self.first_sequence = 0  # data position of step 0 in the token file
         self.saved: list = []
-        self._state = None
+        # What checkpoints hold: the model and the optimizer (its moments, main weights
+        # and step counter at any ZeRO stage, see checkpoint.zero).
+        self.checkpoint_cell = nn.CellList([self.model, self.optimizer])
 
     # ----------------------------------------------------------------- data
     def batch(self, step: int) -> tuple:
@@ -145,28 +161,17 @@ class Trainer:
             tensor = all_reduce(tensor, self.dp_group) / self.dp_group.size
         return float(tensor.asnumpy()[0])
 
-    # ----------------------------------------------------------------- state
-    def state(self):
-        """The checkpointable state (:class:`~.state.TrainState`), built on first use."""
-        if self._state is None:
-            from .state import TrainState
-
-            from mindscience.distributed import manager
-
-            self._state = TrainState(self.model, self.optimizer, self.params, self.opts.zero_stage,
-                                     manager.get_data_context_parallel_group())
-        return self._state
-
+    # ----------------------------------------------------------------- checkpoints
     def save(self, directory: str, steps_done: int) -> str:
-        """Checkpoint after ``steps_done`` steps: weights, optimizer state, step, data position."""
+        """Checkpoint after ``steps_done`` steps: weights, optimizer state (its step counter
+        included), and in ``extra`` the data position and what the run was."""
         from mindscience.distributed import checkpoint
 
         extra = {"data_position": self.data_position(steps_done), "seed": self.opts.seed,
                  "data": self.opts.data, "global_batch_size": self.opts.global_batch_size,
-                 "model": self.spec.name, "model_spec": asdict(self.spec)}
-        state = self.state()
-        state.pull()
-        checkpoint.save(state.cell(), directory, step=steps_done, extra=extra)
+                 "zero_stage": self.opts.zero_stage, "model": self.spec.name,
+                 "model_spec": asdict(self.spec)}
+        checkpoint.save(self.checkpoint_cell, directory, step=steps_done, extra=extra)
         self.saved.append(directory)
         return directory
 
@@ -179,26 +184,38 @@ class Trainer:
         return self.save(step_dir(self.opts.save, done), done)
 
     def resume(self, directory: str) -> dict:
-        """Load a checkpoint (saved at any layout) and continue from its step and data position."""
+        """Load a checkpoint (saved at any layout and ZeRO stage) and continue from its step
+        and data position."""
         from mindscience.distributed import checkpoint
 
-        state = self.state()
         # Not strict: a tied output layer is a second copy only at pp > 1, so a checkpoint
-        # of another pipeline size has one parameter (and its moments) more or less; the
+        # of another pipeline size has one parameter (and its state) more or less; the
         # copy is set from the embedding below. The parent checked the model (train's
         # check_resume) before any rank started.
-        info = checkpoint.load(state.cell(), directory, strict=False)
+        info = checkpoint.load(self.checkpoint_cell, directory, strict=False)
         self._sync_tied_copy()
-        state.push()
         self.first_step = int(info["step"] or 0)
         position = (info.get("extra") or {}).get("data_position", self.first_step * self.opts.global_batch_size)
         # Step k reads sequences first_sequence + k*G ..: the saved position is step first_step's.
         self.first_sequence = int(position) - self.first_step * self.opts.global_batch_size
         return info
 
+    def optimizer_tensors(self, param) -> list:
+        """``param`` and what the optimizer holds for it: its fp32 main weight (if any) and
+        its moments, in the optimizer's order (the same on every rank)."""
+        opt = self.optimizer
+        i = next(k for k, p in enumerate(opt.model_params) if p is param)
+        return [param] + ([opt.mains[i]] if len(opt.mains) else []) + [m[i] for m in opt.moments]
+
     def _sync_tied_copy(self) -> None:
-        """At pp > 1 with tied embeddings, the last stage's output layer (and its moments)
-        := the first stage's word embedding, over the embedding group (a sum with zeros)."""
+        """At pp > 1 with tied embeddings, the last stage's output layer (its weight, main
+        weight and moments) := the first stage's word embedding's, over the embedding group
+        (a sum with zeros).
+
+        A checkpoint of pp = 1 has no such copy (load leaves it as built, with zero
+        moments), and the copy's rows, shards and moment shards have the same shapes as
+        the embedding's on the other end of the group (same tp, cp and dp coordinates).
+        """
         import mindspore as ms
 
         from mindscience.distributed import manager
@@ -209,16 +226,13 @@ class Trainer:
             return
         emb = getattr(model, "embedding", None)
         out = getattr(model, "output_layer", None)
-        if (emb is None) == (out is None):  # a middle stage, or both on one rank
+        if (emb is None) == (out is None):  # a middle stage
             return
         group = manager.get_embedding_group()
-        state = self.state()
-        index = {id(p): i for i, p in enumerate(self.params)}
         mine = emb.word_embeddings.weight if emb is not None else out.weight
-        tensors = [mine] + [getattr(state.moments, n)[index[id(mine)]] for n in state.moments.state_names]
-        for t in tensors:
-            value = t.asnumpy() if emb is not None else np.zeros(t.shape, np.float32)
-            summed = all_reduce(ms.Tensor(value.astype(np.float32)), group)
+        for t in self.optimizer_tensors(mine):
+            value = t.astype(ms.float32).asnumpy() if emb is not None else np.zeros(t.shape, np.float32)
+            summed = all_reduce(ms.Tensor(value), group)
             if out is not None:
                 t.set_data(summed.astype(t.dtype))
 

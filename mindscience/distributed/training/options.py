@@ -91,10 +91,6 @@ class TrainOptions:
                 f"--global-batch-size {self.global_batch_size} is not a multiple of --micro-batch-size "
                 f"{self.micro_batch_size}: a step is whole micro-batches. Use e.g. "
                 f"{self.micro_batch_size * max(1, self.global_batch_size // self.micro_batch_size)}.")
-        if self.zero_stage == 3 and (self.save or self.resume):
-            raise TrainOptionError("--zero-stage 3 with --save/--resume is not supported: its weights are "
-                                   "dim-0 shards the checkpoint does not reshard yet. Save and resume at "
-                                   "--zero-stage 0, 1 or 2 (a checkpoint loads at any of them).")
         if self.save_every and not self.save:
             raise TrainOptionError(f"--save-every {self.save_every} needs --save DIR: the folder the "
                                    "checkpoints go to.")

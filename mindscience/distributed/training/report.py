@@ -77,6 +77,28 @@ def merge_rank_steps(rank_steps: dict) -> list:
     return [(step, entry["loss"], entry["time"]) for step, entry in sorted(merged.items())]
 
 
+def finished_steps(rank_steps: dict, ranks) -> list:
+    """The steps every rank of ``ranks`` has finished, as :func:`merge_rank_steps` gives them.
+
+    ``rank_steps`` is :func:`collect`'s ``steps`` of the records so far (the harness
+    snapshot's ranks during a run), so a step's line can be shown as soon as the slowest
+    rank has reported it, with the same numbers as the final report.
+
+        >>> finished_steps({0: [{"step": 1, "loss": 5.0, "time_s": 0.5},
+        ...                     {"step": 2, "loss": 4.0, "time_s": 0.2}],
+        ...                 1: [{"step": 1, "loss": 5.0, "time_s": 0.7}]}, ranks=[0, 1])
+        [(1, 5.0, 0.7)]
+
+    Raises:
+        ValueError: two ranks report different losses for one step.
+    """
+    ranks = list(ranks)
+    if not ranks or any(not rank_steps.get(r) for r in ranks):
+        return []
+    common = set.intersection(*({row["step"] for row in rank_steps[r]} for r in ranks))
+    return merge_rank_steps({r: [row for row in rank_steps[r] if row["step"] in common] for r in ranks})
+
+
 def measured_memory(rank_memory: dict) -> list:
     """``{rank: {"stage", "weights", "gradients", "optimizer"}}`` -> one row per stage.
 
