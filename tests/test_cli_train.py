@@ -86,6 +86,42 @@ def test_bad_resume_directories(tmp_path, no_launch):
     one_line_error(invoke(one, "--model", "tiny-gpt", "--resume", tmp_path / "empty"), "holds no checkpoint")
 
 
+def _save_cell(directory, optimizer=None, rows=256):
+    """A one-process checkpoint of a cell holding a word embedding of ``rows`` x 64 (the
+    name tiny-gpt's has), with a DistributedOptimizer of ``optimizer`` kind or none."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from mindscience.distributed import checkpoint
+    from mindscience.distributed.optimizer import DistributedOptimizer
+
+    class Emb(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.word_embeddings = nn.Cell()
+            self.word_embeddings.weight = ms.Parameter(ms.Tensor(np.zeros((rows, 64), np.float32)),
+                                                       name="weight")
+
+    model = nn.Cell()
+    model.embedding = Emb()
+    cells = [model] + ([DistributedOptimizer(model.trainable_params(), optimizer=optimizer)] if optimizer else [])
+    checkpoint.save(nn.CellList(cells), directory, step=2)
+
+
+def test_resume_checkpoints_that_cannot_resume_the_run(tmp_path, no_launch):
+    one = layout_file(tmp_path, "one", 1)
+    _save_cell(tmp_path / "big", "adamw", rows=512)
+    one_line_error(invoke(one, "--model", "tiny-gpt", "--resume", tmp_path / "big"),
+                   "does not hold model tiny-gpt", "parameter '0.embedding.word_embeddings.weight' has shape "
+                   "[512, 64] in the checkpoint, the model's is [256, 64]")
+    _save_cell(tmp_path / "bare")
+    one_line_error(invoke(one, "--model", "tiny-gpt", "--resume", tmp_path / "bare"),
+                   "holds no optimizer state", "DistributedOptimizer(optimizer='adamw')")
+    _save_cell(tmp_path / "sgd", "sgd")
+    one_line_error(invoke(one, "--model", "tiny-gpt", "--resume", tmp_path / "sgd"),
+                   "it holds the state of DistributedOptimizer(optimizer='sgd')")
+
+
 def test_dry_run_prints_msrun_and_launches_nothing(tmp_path, no_launch):
     lay = layout_file(tmp_path, "tp2pp2", 4, tp=2, pp=2)
     result = invoke(lay, "--model", "tiny-gpt", "--dry-run", "--log-dir", tmp_path / "logs")

@@ -95,11 +95,12 @@ def check_resume(directory: str, workload, opts) -> dict:
         ``{"directory", "step", "data_position"}``.
 
     Raises:
-        UsageError: no checkpoint there, or its parameters are not the model's (the first
-            difference named).
+        UsageError: no checkpoint there, its parameters are not the model's (the first
+            difference named), or it holds no AdamW DistributedOptimizer state.
     """
     from mindscience.distributed.checkpoint import offline
-    from mindscience.distributed.training.options import checkpoint_difference, resolve_resume
+    from mindscience.distributed.training.options import (checkpoint_difference, optimizer_difference,
+                                                          resolve_resume)
 
     path = resolve_resume(directory)
     info = offline.inspect(path, checksums=False)
@@ -111,6 +112,11 @@ def check_resume(directory: str, workload, opts) -> dict:
     if difference:
         raise UsageError(f"--resume {path}: the checkpoint does not hold model {workload.model.name}: "
                          f"{difference}. Resume with the model it was saved with.")
+    difference = optimizer_difference(info.get("optimizers"))
+    if difference:
+        raise UsageError(f"--resume {path}: {difference}, msdist train resumes the AdamW state of "
+                         "DistributedOptimizer(optimizer='adamw'): pass a directory msdist train --save wrote "
+                         "(or checkpoint.save of nn.CellList([model, that optimizer])).")
     return {"directory": path, "step": info["step"], "data_position": extra.get("data_position")}
 
 

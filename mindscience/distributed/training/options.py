@@ -188,3 +188,27 @@ def checkpoint_difference(model: dict, saved_model: dict | None, params: dict) -
             if list(params[name]) != want:
                 return f"parameter {name!r} has shape {list(params[name])} in the checkpoint, the model's is {want}"
     return None
+
+
+# The optimizer a msdist train checkpoint holds the state of (the manifest's "optimizers"
+# record, see checkpoint.zero); its stage and group size may be anything.
+TRAIN_OPTIMIZER = {"class": "DistributedOptimizer", "kind": "adamw", "state": ["exp_avg", "exp_avg_sq"]}
+
+
+def optimizer_difference(saved: list | None) -> str | None:
+    """How the optimizers a checkpoint was saved with (its manifest's ``optimizers``) differ
+    from the trainer's AdamW DistributedOptimizer, or None. Without this check a resume
+    would load the weights and silently start the moments from zero.
+
+        >>> optimizer_difference([{**TRAIN_OPTIMIZER, "zero_stage": 3, "group_size": 4}]) is None
+        True
+        >>> optimizer_difference([{"class": "DistributedOptimizer", "kind": "sgd", "state": []}])
+        "it holds the state of DistributedOptimizer(optimizer='sgd')"
+    """
+    if not saved:
+        return "it holds no optimizer state (saved without an optimizer)"
+    if len(saved) == 1 and all(saved[0].get(k) == v for k, v in TRAIN_OPTIMIZER.items()):
+        return None
+    names = [f"DistributedOptimizer(optimizer={r.get('kind')!r})" if r.get("class") == "DistributedOptimizer"
+             else str(r.get("class")) for r in saved]
+    return f"it holds the state of {' and '.join(names)}"
