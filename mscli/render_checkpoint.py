@@ -71,6 +71,10 @@ def render_inspect(data: dict, fmt: str, show_all: bool = False) -> None:
         f" in {len(data['parameters'])} parameters, {len(data['files'])} files\n",
         ("integrity  ", "bold"), verdict,
         "" if data["checksums"] else " (checksums not verified: --no-checksums)")
+    for record in data.get("optimizers") or ():
+        head.append("\n")
+        head.append("optimizer  ", "bold")
+        head.append(_optimizer(record))
     console.print(Panel(head, expand=False))
     params = data["parameters"]
     if params:
@@ -97,6 +101,15 @@ def render_inspect(data: dict, fmt: str, show_all: bool = False) -> None:
                           f.get("crc32") or "", Text(f.get("status", ""), style=style))
         console.print(table)
     _problems(data)
+
+
+def _optimizer(record: dict) -> str:
+    """One optimizer of the manifest's record, e.g. ``adamw (exp_avg, exp_avg_sq), ZeRO stage 1 over 4 ranks``."""
+    if record.get("class") != "DistributedOptimizer":
+        return str(record.get("class"))
+    state = ", ".join(record.get("state") or []) or "no state"
+    return (f"{record.get('kind')} ({state}), ZeRO stage {record.get('zero_stage')} over "
+            f"{record.get('group_size')} rank{'s' if record.get('group_size') != 1 else ''}")
 
 
 def _problems(data: dict) -> None:

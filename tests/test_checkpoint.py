@@ -353,3 +353,16 @@ def test_reshard_refuses_bad_workers(tmp_path, workers):
     with pytest.raises(CheckpointError, match=r"workers=.*expected a positive integer"):
         offline.reshard(str(tmp_path / "a"), str(tmp_path / "b"), Layout(world_size=1), workers=workers)
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+
+
+def test_rich_inspect_shows_the_optimizer_record(capsys):
+    from mscli import render_checkpoint
+
+    data = {"directory": "ckpt/step_4", "ok": True, "complete": True, "checksums": True, "problems": [],
+            "notes": [], "parameters": [], "files": [], "layout": {"world_size": 4, "tp": 2}, "step": 4,
+            "total_bytes": 0,
+            "optimizers": [{"class": "DistributedOptimizer", "kind": "adamw", "state": ["exp_avg", "exp_avg_sq"],
+                            "zero_stage": 1, "group_size": 2}]}
+    render_checkpoint.render_inspect(data, "rich")
+    out = capsys.readouterr().out
+    assert "optimizer" in out and "adamw (exp_avg, exp_avg_sq), ZeRO stage 1 over 2 ranks" in out
