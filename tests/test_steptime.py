@@ -471,11 +471,17 @@ def test_verify_report_keeps_compute_latency_and_node_crossing():
     cluster, sources = calibrate(ClusterSpec(), report, "r.json")
     assert cluster.compute_efficiency == pytest.approx(0.1 / 300)
     # Both rows cross nodes: they calibrate the inter-node link, the intra-node one stays as configured.
-    assert cluster.inter_node_gbps == pytest.approx(sorted(r["busbw_gbps"] for r in report["bandwidth"]
-                                                           if r["bytes"] == 262144)[0] / 2
-                                                    + sorted(r["busbw_gbps"] for r in report["bandwidth"]
-                                                             if r["bytes"] == 262144)[1] / 2)
+    # Alpha-beta: the bytes beyond the smallest size over the time they add, with the op's bus factor.
+    # all_reduce on 2 ranks (factor 1): 261,120 B in 600 - 150 us = 0.58027 GB/s; all_gather on 2
+    # (factor 1/2): 0.5 x 261,120 B in 1350 - 450 us = 0.14507 GB/s; the median of the two:
+    assert cluster.inter_node_gbps == pytest.approx((261120 / 450e-6 + 0.5 * 261120 / 900e-6) / 2 / 1e9)
+    assert sources["inter_node_gbps"] == "r.json: median busbw of 2 inter-node row(s) above the smallest size (alpha-beta)"
     assert cluster.inter_node_latency_us == pytest.approx(300.0) and sources["intra_node_gbps"] == "default"
+    # Per-op latencies describe calls inside a node only: none here.
+    assert cluster.collective_latency_us is None
+    inside, where = calibrate(ClusterSpec(), one_node, "r.json")
+    assert inside.collective_latency_us == (("all_gather", 2, 450.0), ("all_reduce", 2, 150.0))
+    assert where["collective_latency_us"] == "r.json: median latency per op and group size of 2 intra-node row(s)"
 
 
 def test_compute_probe_size_follows_the_backend():
@@ -525,3 +531,69 @@ def test_1f1b_bubble_matches_the_simulated_schedule(p, m):
     data = schedule_data(p, "1f1b", m)
     work = 3 * m  # a forward lasts 1 unit, a backward 2, per micro-batch
     assert (data["makespan"] - work) / work == pytest.approx(pipeline_bubble(p, m))
+
+
+# ------------------------------------------------------------------ per-op latencies (calibrated)
+def test_collective_latency_table_interpolates_in_log2_of_the_group_size():
+    c = cluster(collective_latency_us=[["all_reduce", 8, 400], ["all_reduce", 2, 100.0], ["all_gather", 4, 50]])
+    assert c.collective_latency_us == (("all_gather", 4, 50.0), ("all_reduce", 2, 100.0), ("all_reduce", 8, 400.0))
+    us = {n: c.collective_latency_s("all_reduce", n) * 1e6 for n in (2, 4, 8, 16)}
+    assert us == pytest.approx({2: 100.0, 4: 250.0, 8: 400.0, 16: 400.0})  # log2 4 = 2: halfway 100 .. 400
+    assert c.collective_latency_s("all_gather", 2) * 1e6 == pytest.approx(50.0)  # the nearest listed size
+    assert c.collective_latency_s("reduce_scatter", 4) * 1e6 == pytest.approx(10.0)  # not listed: the link's
+    assert c.collective_latency_s("all_reduce", 2, crosses=True) * 1e6 == pytest.approx(100.0)  # inter-node
+    # A calibrated cluster written to a model file (suggest --write) reads back the same.
+    import yaml
+
+    from mindscience.distributed.costmodel.spec import workload_from_mapping, workload_sections
+
+    text = yaml.safe_dump(workload_sections(Workload(model=TOY, cluster=c)))
+    assert workload_from_mapping(yaml.safe_load(text), "m.yaml").cluster == c
+    for bad, fragment in ((["all_reduce", 2, 1.0], "entry 'all_reduce'"), ([["bcast", 2, 1.0]], "entry ['bcast'"),
+                          ([["all_reduce", 1, 1.0]], "group_size an integer >= 2"),
+                          ([["all_reduce", 2, float("nan")]], "microseconds a finite number > 0"),
+                          ([["all_reduce", 2, 1.0], ("all_reduce", 2, 3.0)], "(all_reduce, 2) is listed twice")):
+        with pytest.raises(ModelError, match=re.escape(fragment)):
+            cluster(collective_latency_us=bad)
+
+
+def test_step_time_charges_each_call_the_latency_of_its_op_and_group_size():
+    model = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=2, seq_length=8, vocab_size=0)
+    train = TrainingSpec(global_batch_size=4, sequence_parallel=False)
+    table = [["all_reduce", 2, 100.0], ["all_reduce", 8, 400.0], ["send_recv", 2, 70.0]]
+    plain = step_time(model, train, cluster(), tp=2, cp=1, pp=1, dp=4)["breakdown"]
+    timed = step_time(model, train, cluster(collective_latency_us=table), tp=2, cp=1, pp=1, dp=4)["breakdown"]
+    # tp: 8 all-reduces (4 per layer pass, 2 layers) on 2 ranks, 100 us instead of 10 each;
+    # dp-cp: 1 all-reduce on 4 ranks, 250 us (log2-halfway between 2 and 8) instead of 10.
+    assert timed["tp_s"] - plain["tp_s"] == pytest.approx(8 * 90e-6)
+    assert timed["dp_s"] - plain["dp_s"] == pytest.approx(240e-6)
+    assert timed["compute_s"] == plain["compute_s"]
+    # pp: 2 (m + p - 1) = 2 x (1 + 2 - 1) = 4 transfers on the critical path, each a send_recv of 2 ranks.
+    one = TrainingSpec(global_batch_size=4, sequence_parallel=False)
+    plain = step_time(model, one, cluster(), tp=1, cp=1, pp=2, dp=4)["breakdown"]
+    timed = step_time(model, one, cluster(collective_latency_us=table), tp=1, cp=1, pp=2, dp=4)["breakdown"]
+    assert timed["pp_s"] - plain["pp_s"] == pytest.approx(4 * 60e-6)
+    assert timed["dp_s"] - plain["dp_s"] == pytest.approx(240e-6)
+
+
+def test_calibrate_per_op_latency_and_alpha_beta_bandwidth_by_hand():
+    def row(op, group, n, nbytes, us, busbw):
+        return {"op": op, "group": group, "group_size": n, "bytes": nbytes, "time_us": us, "busbw_gbps": busbw,
+                "latency_us": None, "crosses_nodes": False}
+
+    rows = [row("all_reduce", "tp", 2, 1024, 100.0, 0.01), row("all_reduce", "tp", 2, 201024, 200.0, 1.00512),
+            row("all_reduce", "dp", 2, 1024, 140.0, 0.01), row("all_reduce", "dp", 2, 201024, 240.0, 0.8376),
+            row("all_reduce", "world", 8, 1024, 900.0, 0.01), row("all_reduce", "world", 8, 201024, 800.0, 0.4),
+            row("sendrecv", "pp:0-1", 2, 1024, 50.0, 0.01), row("sendrecv", "pp:0-1", 2, 201024, 150.0, 1.34016)]
+    for r in rows:  # the report keeps the smallest size's time in every row of the (op, group)
+        r["latency_us"] = next(x["time_us"] for x in rows if (x["op"], x["group"], x["bytes"]) ==
+                               (r["op"], r["group"], 1024))
+    got, where = calibrate(ClusterSpec(device="cpu"), {"bandwidth": rows}, "r.json")
+    # Latencies per op and size: tp and dp median (100 + 140) / 2 = 120; the world 900; sendrecv 50.
+    assert got.collective_latency_us == (("all_reduce", 2, 120.0), ("all_reduce", 8, 900.0), ("send_recv", 2, 50.0))
+    # Bandwidth: 200,000 B beyond the smallest in 100 us (tp: factor 1, 2 GB/s), in 100 us (dp: 2 GB/s)
+    # and in 100 us (sendrecv, factor 1: 2 GB/s); the world's largest size was faster than its smallest
+    # (a latency-bound sweep): it says nothing about bandwidth and is left out.
+    assert got.intra_node_gbps == pytest.approx(2.0)
+    assert where["intra_node_gbps"] == "r.json: median busbw of 3 intra-node row(s) above the smallest size (alpha-beta)"
+    assert got.intra_node_latency_us == pytest.approx(120.0)  # the median of 100, 140, 900, 50

@@ -44,7 +44,7 @@ from statistics import median
 
 from .devices import PRESET_KEYS
 from .errors import ModelError, ModelFileError
-from .spec import ClusterSpec, is_finite_number
+from .spec import LATENCY_OPS, ClusterSpec, is_finite_number
 
 SOURCE_KEYS = (*PRESET_KEYS, "compute_efficiency")
 
@@ -237,6 +237,52 @@ def _largest_rows(rows: list[dict]) -> list[dict]:
     return list(largest.values())
 
 
+def _smallest_rows(rows: list[dict]) -> dict:
+    smallest: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row.get("op"), row.get("group"))
+        if key not in smallest or row.get("bytes", 0) < smallest[key].get("bytes", 0):
+            smallest[key] = row
+    return smallest
+
+
+def slope_busbw(large: dict, small: dict | None) -> float | None:
+    """The bus bandwidth of the bytes beyond the smallest size: alpha-beta's ``1/beta``.
+
+    ``busbw = factor * bytes / time`` (nccl-tests), so the same factor over the growth
+    from the smallest to the largest size, ``factor * (B - b) / (T - t)``, prices the bytes
+    without the call's fixed latency, which the step model adds once per call. None when
+    the rows lack the times, or the larger size was not slower (a latency-bound sweep).
+
+        Twice the time for 201,024 bytes as for 1,024 (an all-reduce of 2 ranks, factor 1):
+        the largest size reads 1.005 MB/s, the 200,000 bytes beyond the first 2 MB/s.
+
+        >>> slope_busbw({"bytes": 201024, "busbw_gbps": 0.00100512, "time_us": 200000.0},
+        ...             {"bytes": 1024, "latency_us": 100000.0})
+        0.002
+    """
+    if small is None or small is large or large.get("time_us") is None or small.get("latency_us") is None:
+        return None
+    grown_s = (large["time_us"] - small["latency_us"]) * 1e-6
+    if grown_s <= 0:
+        return None
+    factor = large["busbw_gbps"] * 1e9 * large["time_us"] * 1e-6 / large["bytes"]
+    return round(factor * (large["bytes"] - small["bytes"]) / grown_s / 1e9, 12)
+
+
+def latency_table(rows: list[dict]) -> tuple:
+    """``(op, group_size, us)`` triples: per op and group size, the median ``latency_us`` of the
+    groups that ran it (the sweep's smallest size), ``sendrecv`` named ``send_recv`` as the
+    traffic rows name it. Rows without ``group_size`` or ``latency_us`` are left out."""
+    seen: dict[tuple, list] = {}
+    for row in rows:
+        n, latency = row.get("group_size"), row.get("latency_us")
+        if isinstance(n, int) and n >= 2 and latency:
+            op = "send_recv" if row["op"] == "sendrecv" else row["op"]
+            seen.setdefault((op, n), []).append(latency)
+    return tuple((op, n, float(median(v))) for (op, n), v in sorted(seen.items()) if op in LATENCY_OPS)
+
+
 def calibrate(cluster: ClusterSpec, report: dict, source: str,
               sources: dict | None = None) -> tuple[ClusterSpec, dict]:
     """``cluster`` with the values ``report`` measured, and the updated ``sources``.
@@ -271,17 +317,30 @@ def calibrate(cluster: ClusterSpec, report: dict, source: str,
             sources["peak_tflops"] = f"{what} (above the configured peak)"
             sources["compute_efficiency"] = f"{what}: 1 of the measured peak"
     rows = [r for r in report.get("bandwidth") or [] if r.get("busbw_gbps", 0) > 0]
+    smallest = _smallest_rows(rows)
     for crosses, where in ((False, "intra"), (True, "inter")):
         picked = [r for r in _largest_rows(rows) if bool(r.get("crosses_nodes")) == crosses]
         if not picked:
             continue
         label = f"{where}-node row(s)"
-        values[f"{where}_node_gbps"] = median(r["busbw_gbps"] for r in picked)
-        sources[f"{where}_node_gbps"] = f"{source}: median busbw of {len(picked)} {label}"
+        slopes = [b for b in (slope_busbw(r, smallest.get((r["op"], r["group"]))) for r in picked) if b]
+        if slopes:
+            values[f"{where}_node_gbps"] = median(slopes)
+            sources[f"{where}_node_gbps"] = (f"{source}: median busbw of {len(slopes)} {label} above the "
+                                             "smallest size (alpha-beta)")
+        else:
+            values[f"{where}_node_gbps"] = median(r["busbw_gbps"] for r in picked)
+            sources[f"{where}_node_gbps"] = f"{source}: median busbw of {len(picked)} {label}"
         latencies = [r["latency_us"] for r in picked if r.get("latency_us")]
         if latencies:
             values[f"{where}_node_latency_us"] = median(latencies)
             sources[f"{where}_node_latency_us"] = f"{source}: median latency of {len(latencies)} {label}"
+        if not crosses:
+            table = latency_table(picked)
+            if table:
+                values["collective_latency_us"] = table
+                sources["collective_latency_us"] = (f"{source}: median latency per op and group size of "
+                                                    f"{len(picked)} {label}")
     try:
         return replace(cluster, **values), sources
     except ModelError as err:  # a measured value the cluster cannot take: say where it came from

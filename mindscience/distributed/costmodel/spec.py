@@ -282,6 +282,30 @@ class TrainingSpec:
                 raise ModelError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
 
 
+LATENCY_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def _latency_table(entries) -> tuple:
+    """``collective_latency_us`` as a sorted tuple of ``(op, group_size, us)`` triples, checked."""
+    hint = ("expected a list of [op, group_size, microseconds] entries, op one of "
+            f"{', '.join(LATENCY_OPS)}, group_size an integer >= 2, microseconds a finite number > 0 "
+            "(what --calibrate takes from a verify report)")
+    if not isinstance(entries, (list, tuple)):
+        raise ModelError(f"collective_latency_us={entries!r} is invalid: {hint}.")
+    table = {}
+    for entry in entries:
+        ok = isinstance(entry, (list, tuple)) and len(entry) == 3
+        op, n, us = entry if ok else (None, None, None)
+        if not (ok and op in LATENCY_OPS and isinstance(n, int) and not isinstance(n, bool) and n >= 2
+                and is_finite_number(us) and us > 0):
+            raise ModelError(f"collective_latency_us={entries!r} is invalid: entry {entry!r}: {hint}.")
+        if (op, n) in table:
+            raise ModelError(f"collective_latency_us={entries!r} is invalid: ({op}, {n}) is listed twice; "
+                             "keep one latency per op and group size.")
+        table[(op, n)] = float(us)
+    return tuple((op, n, us) for (op, n), us in sorted(table.items()))
+
+
 # Without a device preset: the cost model's generic accelerator.
 CLUSTER_DEFAULTS = {
     "device_memory_gb": 64, "intra_node_gbps": 90, "inter_node_gbps": 25,
@@ -311,6 +335,14 @@ class ClusterSpec:
             GPT models of 22B-1T parameters, Korthikanti et al. 2022).
         intra_node_latency_us: Time of one small collective inside a node, microseconds.
         inter_node_latency_us: The same across nodes.
+        collective_latency_us: Optional, measured per collective inside a node: a tuple of
+            ``(op, group_size, microseconds)`` (``op`` as the traffic rows name it:
+            ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+            ``send_recv``), what ``--calibrate`` takes from a verify sweep. A call of
+            ``op`` on ``n`` ranks costs the listed latency of ``n``, interpolated linearly
+            in ``log2(n)`` between listed sizes and the nearest listed size outside them;
+            an op that is not listed costs ``intra_node_latency_us``
+            (:meth:`collective_latency_s`).
 
     Raises:
         ModelError: an unknown device or a value that is not positive.
@@ -330,6 +362,7 @@ class ClusterSpec:
     compute_efficiency: float | None = None
     intra_node_latency_us: float | None = None
     inter_node_latency_us: float | None = None
+    collective_latency_us: tuple | None = None
 
     def __post_init__(self):
         preset = {}
@@ -353,6 +386,36 @@ class ClusterSpec:
                 "peak in (0, 1], e.g. 0.5. To model a faster device raise peak_tflops instead.")
         if self.devices_per_node is not None:
             _positive_int("devices_per_node", self.devices_per_node)
+        if self.collective_latency_us is not None:
+            object.__setattr__(self, "collective_latency_us", _latency_table(self.collective_latency_us))
+
+    def collective_latency_s(self, op: str, group_size: int, crosses: bool = False) -> float:
+        """Seconds of one small call of ``op`` on ``group_size`` ranks.
+
+        Across nodes: ``inter_node_latency_us``. Inside a node: the ``collective_latency_us``
+        entries of ``op``, linear in ``log2(group_size)`` between the two listed sizes
+        around it (the nearest listed size outside them); ``intra_node_latency_us`` when
+        ``op`` is not listed.
+
+            >>> c = ClusterSpec(collective_latency_us=(("all_reduce", 2, 100.0), ("all_reduce", 8, 400.0)))
+            >>> [round(c.collective_latency_s("all_reduce", n) * 1e6, 6) for n in (2, 4, 8, 16)]
+            [100.0, 250.0, 400.0, 400.0]
+            >>> c.collective_latency_s("send_recv", 2) * 1e6  # not listed: intra_node_latency_us
+            10.0
+        """
+        if crosses:
+            return self.inter_node_latency_us * 1e-6
+        points = sorted((n, us) for o, n, us in self.collective_latency_us or () if o == op)
+        if not points:
+            return self.intra_node_latency_us * 1e-6
+        x = math.log2(group_size)
+        if x <= math.log2(points[0][0]):
+            return points[0][1] * 1e-6
+        for (n0, t0), (n1, t1) in zip(points, points[1:]):
+            x0, x1 = math.log2(n0), math.log2(n1)
+            if x <= x1:
+                return (t0 + (t1 - t0) * (x - x0) / (x1 - x0)) * 1e-6
+        return points[-1][1] * 1e-6
 
     @property
     def device_memory_bytes(self) -> int:
@@ -403,6 +466,7 @@ _SCHEMAS = {
         "device_memory_gb": _NUM, "intra_node_gbps": _NUM, "inter_node_gbps": _NUM, "devices_per_node": _INT,
         "peak_tflops": _NUM, "compute_efficiency": _NUM, "intra_node_latency_us": _NUM,
         "inter_node_latency_us": _NUM,
+        "collective_latency_us": ((list, tuple), "a list of [op, group_size, microseconds] entries"),
     }),
 }
 _OPTIONAL = {"num_query_groups", "ffn_hidden_size", "name", "global_batch_size", "devices_per_node", "device",
@@ -496,7 +560,9 @@ def workload_sections(workload: Workload) -> dict:
     for key in SECTIONS:
         spec = getattr(workload, key)
         if spec is not None:
-            sections[key] = {k: v for k, v in asdict(spec).items() if v is not None}
+            # Tuples (a calibrated collective_latency_us) as lists: what YAML writes and reads back.
+            sections[key] = {k: [list(e) for e in v] if isinstance(v, tuple) else v
+                             for k, v in asdict(spec).items() if v is not None}
     return sections
 
 

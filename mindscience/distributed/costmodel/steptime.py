@@ -122,10 +122,15 @@ def _link(cluster: ClusterSpec, crosses: bool) -> tuple[float, float]:
 
 
 def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, crosses: bool) -> float:
-    """Alpha-beta time of a group's rows from :func:`~.comm.traffic`: ``calls * latency + bytes / bandwidth``."""
-    bandwidth, latency = _link(cluster, crosses)
+    """Alpha-beta time of a group's rows from :func:`~.comm.traffic`: ``calls * latency + bytes / bandwidth``.
+
+    The latency of a row is its op's on its group size (:meth:`~.spec.ClusterSpec.collective_latency_s`:
+    a calibrated ``collective_latency_us``, else the link's one latency).
+    """
+    bandwidth, _ = _link(cluster, crosses)
     # Start at 0.0: a group without rows (size 1) is 0.0 s, a float like every other term.
-    return sum((r["count"] * latency + r["bytes"] / bandwidth for r in rows if r["group"] == group), 0.0)
+    return sum((r["count"] * cluster.collective_latency_s(r["op"], r["group_size"], crosses)
+                + r["bytes"] / bandwidth for r in rows if r["group"] == group), 0.0)
 
 
 def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
@@ -180,7 +185,8 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
     cp_s = collective_seconds(rows, "cp", cluster, bool(crossing.get("cp")))
     pp_s = 0.0
     if pp > 1:
-        bandwidth, latency = _link(cluster, bool(crossing.get("pp")))
+        bandwidth, _ = _link(cluster, bool(crossing.get("pp")))
+        latency = cluster.collective_latency_s("send_recv", 2, bool(crossing.get("pp")))
         sp = training.sequence_parallel and tp > 1
         message = model.seq_length // cp * training.micro_batch_size * model.hidden_size
         message = message * BYTES[training.precision]["activation"] // (tp if sp else 1)
