@@ -140,7 +140,10 @@ class _AttentionCore(nn.Cell):
     def construct(self, q, k, v):
         if self.rope:
             q, k = self._rotate(q), self._rotate(k)
-        return context_parallel_attention(q, k, v, self.cp, method=self.method, causal=True,
+        # The group by keyword: with keyword arguments a positional group is packed with
+        # q, k, v into one tuple, whose zeros_like ms.jit's autodiff cannot build once
+        # the call is not inlined (measured: tiny-gpt's 4 layers failed to compile).
+        return context_parallel_attention(q, k, v, group=self.cp, method=self.method, causal=True,
                                           load_balance=self.load_balance)
 
 

@@ -120,7 +120,11 @@ class ContextParallelAttention(nn.Cell):
         q = t[:, :, :, :g].reshape(s, b, groups * g, hd)
         k = t[:, :, :, g]
         v = t[:, :, :, g + 1]
-        o = context_parallel_attention(q, k, v, self.cp, method=self.method, causal=self.causal,
-                                       split_sizes=split_sizes, load_balance=self.load_balance,
+        # The group by keyword: next to keyword arguments, a positional group is packed
+        # with the tensors into one tuple, which ms.jit's autodiff cannot zero (see
+        # methods._AllGatherKV).
+        o = context_parallel_attention(q, k, v, group=self.cp, method=self.method,
+                                       causal=self.causal, split_sizes=split_sizes,
+                                       load_balance=self.load_balance,
                                        recompute=self.recompute_core)
         return self.out(o.reshape(s, b, groups * g * hd))
