@@ -63,12 +63,14 @@ def _loadavg() -> str:
 
 
 def run_bench_launch(spec, world_size: int, timeout: float, progress_every_s: float = 30):
-    """One msrun launch of ``spec`` with bench/ on the workers' PYTHONPATH (for the
-    spec's check ``modules``), a progress line on stderr every ``progress_every_s``.
+    """One msrun launch of ``spec`` with bench/ and tests/ on the workers' PYTHONPATH (for
+    the spec's check ``modules``: the examples' checks are tests/_examples_checks.py), a
+    progress line on stderr every ``progress_every_s``.
 
     Returns ``(result, wall_s, load_after)``, or None after printing the failures.
     """
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)}
+    paths = (str(BENCH), str(BENCH.parent / "tests"), os.environ.get("PYTHONPATH", ""))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     last = [0.0]
 
     def progress(snap):

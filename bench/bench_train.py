@@ -11,9 +11,9 @@ One msrun launch (8 ranks, tp2 x cp2 x dp2) runs, in order:
   a third marked sequence_parallel), ``GradientFinalizer(bucket_size_mb=0)`` (one
   all-reduce per tensor) vs the default 32 MiB buckets, PyNative and ``ms.jit``; per
   row the slowest rank's median time per call;
-* ``examples.train_transformer`` with ``--steps`` steps: the median step time (after
-  the first, compiling, step) of the jit-compiled and of the PyNative train step, and
-  their loss curves' agreement with the dense model.
+* ``examples.inside_train_transformer`` (the hand-wired block) with ``--steps`` steps:
+  the median step time (after the first, compiling, step) of the jit-compiled and of
+  the PyNative train step, and their loss curves' agreement with the dense model.
 
 8 ranks on 2 cores are oversubscribed: absolute times are dominated by that; the ratios
 are what the figures in docs/BENCHMARKS.md report.
@@ -49,9 +49,9 @@ def main(argv=None) -> int:
         "layout": {"world_size": args.world_size, "tp": 2, "cp": 2},
         "checks": [
             {"name": "bench.finalize", "params": {"num_params": args.num_params, "hidden": args.hidden}},
-            {"name": "examples.train_transformer", "params": {"tp": 2, "cp": 2, "steps": args.steps}},
+            {"name": "examples.inside_train_transformer", "params": {"tp": 2, "cp": 2, "steps": args.steps}},
         ],
-        "modules": ["train_bench_checks"],
+        "modules": ["train_bench_checks", "_examples_checks"],
     }
     load_before = _loadavg()
     launched = run_bench_launch(spec, args.world_size, args.timeout, progress_every_s=60)
@@ -82,12 +82,12 @@ def main(argv=None) -> int:
               f"{t * 1e3:.1f} | {base / t:.1f}x faster |" if mb else
               f"| {mode} | {label}: {r['buckets']} | {r['num_params']} | {r['bytes'] / 2**20:.2f} | "
               f"{t * 1e3:.1f} | 1.0x |")
-    train = [r for r in recs if r["check"] == "examples.train_transformer"]
+    train = [r for r in recs if r["check"] == "examples.inside_train_transformer"]
     if train:
         jit = max(r["jit_step_s"] for r in train)
         eager = max(r["pynative_step_s"] for r in train)
         print()
-        print("examples/train_transformer.py, median step time (slowest rank, steps after the first)")
+        print("examples/inside_train_transformer.py, median step time (slowest rank, steps after the first)")
         print("| step | median s | |")
         print("|---|---|---|")
         print(f"| jit (value_and_grad + GradientFinalizer + AdamW compiled) | {jit:.3f} | |")

@@ -2,8 +2,8 @@
 
 1. ``msdist verify`` on 8 CPU ranks (tp2 x cp2 x dp2, bandwidth checks: the compute probe
    and the collective sweep) writes a report;
-2. one msrun launch of 8 ranks trains ``examples/train_transformer.py``'s block (jit train
-   step: value_and_grad + GradientFinalizer + AdamW) on every tp x cp x dp layout of 8
+2. one msrun launch of 8 ranks trains ``examples/inside_train_transformer.py``'s block (jit
+   train step: value_and_grad + GradientFinalizer + AdamW) on every tp x cp x dp layout of 8
    ranks and records the slowest rank's median step time (steps after the first);
 3. the cost model, with ``--calibrate`` from that report, predicts each layout's step:
    the same block (1 layer, d_model, heads, ffn, the sequence, the example's vocabulary-parallel
@@ -59,7 +59,7 @@ def example_vocab() -> int:
     """The example's vocabulary (``VOCAB``), read from its source: importing it would load MindSpore here."""
     import re
 
-    text = (ROOT / "examples" / "train_transformer.py").read_text()
+    text = (ROOT / "examples" / "inside_train_transformer.py").read_text()
     return int(re.search(r"^VOCAB = (\d+)", text, re.M).group(1))
 
 
@@ -103,8 +103,9 @@ def main(argv=None) -> int:
     params = dict(steps=args.steps, seq_len=args.seq_len, batch=args.batch, d_model=args.d_model,
                   num_heads=args.heads, ffn=args.ffn, modes=["jit"])
     spec = {"layout": {"world_size": WORLD, "tp": 1, "cp": 1},
-            "checks": [{"name": "examples.train_transformer", "params": {"tp": tp, "cp": cp, **params}}
-                       for tp, cp, _ in cases]}
+            "checks": [{"name": "examples.inside_train_transformer", "params": {"tp": tp, "cp": cp, **params}}
+                       for tp, cp, _ in cases],
+            "modules": ["_examples_checks"]}
     load_before = _loadavg()
     launched = run_bench_launch(spec, WORLD, args.timeout, progress_every_s=60)
     if launched is None:

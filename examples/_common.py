@@ -25,7 +25,8 @@ def launched_by_msrun() -> bool:
     return "MS_ROLE" in os.environ
 
 
-def setup(tensor_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
+def setup(tensor_parallel_size: int = 1, context_parallel_size: int = 1,
+          pipeline_parallel_size: int = 1) -> None:
     """Join the msrun job and build the parallel groups (skips what is already done).
 
     In a plain ``python examples/x.py`` process (no msrun) nothing is initialized: the
@@ -34,8 +35,9 @@ def setup(tensor_parallel_size: int = 1, context_parallel_size: int = 1) -> None
     groups (the test harness) can run them too.
     """
     ms.set_context(mode=ms.PYNATIVE_MODE)
+    sizes = (tensor_parallel_size, context_parallel_size, pipeline_parallel_size)
     if not launched_by_msrun():
-        if tensor_parallel_size * context_parallel_size > 1:
+        if math.prod(sizes) > 1:
             raise SystemExit("parallel sizes > 1 need a job started with msrun")
         return
     from mindspore.communication import init
@@ -46,11 +48,12 @@ def setup(tensor_parallel_size: int = 1, context_parallel_size: int = 1) -> None
     if not manager._communication_initialized():  # noqa: SLF001 - avoid a second init()
         init()
     layout = manager.get_layout() if manager.is_initialized() else None
-    if layout is not None and (layout.tp, layout.cp) == (tensor_parallel_size, context_parallel_size):
+    if layout is not None and (layout.tp, layout.cp, layout.pp) == sizes:
         return
     manager.destroy_parallel()
     manager.initialize_parallel(
-        tensor_parallel_size=tensor_parallel_size, context_parallel_size=context_parallel_size
+        tensor_parallel_size=tensor_parallel_size, context_parallel_size=context_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
     )
 
 
@@ -62,6 +65,23 @@ def tp_group() -> ParallelGroup:
 def cp_group() -> ParallelGroup:
     """The context-parallel group, or a size-1 group when nothing is initialized."""
     return manager.get_context_parallel_group() if manager.is_initialized() else ParallelGroup.trivial("cp")
+
+
+def dp_group() -> ParallelGroup:
+    """The data-parallel group, or a size-1 group when nothing is initialized."""
+    return manager.get_data_parallel_group() if manager.is_initialized() else ParallelGroup.trivial("dp")
+
+
+def pp_group() -> ParallelGroup:
+    """The pipeline-parallel group, or a size-1 group when nothing is initialized."""
+    return manager.get_pipeline_parallel_group() if manager.is_initialized() else ParallelGroup.trivial("pp")
+
+
+def layout_label() -> str:
+    """The layout in force as ``"tp2 x cp2 x dp2 x pp1"`` (all 1 when nothing is initialized)."""
+    layout = manager.get_layout() if manager.is_initialized() else None
+    sizes = {k: (getattr(layout, k) if layout is not None else 1) for k in ("tp", "cp", "dp", "pp")}
+    return " x ".join(f"{k}{v}" for k, v in sizes.items())
 
 
 def world_rank() -> int:

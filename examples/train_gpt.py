@@ -7,7 +7,8 @@
 
 The whole parallel program is: initialize_parallel, GPTModel(cfg), then per step
 model.forward_backward -> GradientFinalizer -> optimizer. How the layers are wired
-inside is shown by hand in examples/train_transformer.py and examples/train_pipeline.py.
+inside is shown by hand in examples/inside_train_transformer.py and
+examples/inside_train_pipeline.py.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import zlib
 
 import numpy as np
 
-from mindscience.distributed.harness.checks.checkpoint import _barrier
+from _checkpoint_checks import _barrier
 from mindscience.distributed.harness.checks.groups import layout_label, reinit
 from mindscience.distributed.harness.registry import check
 

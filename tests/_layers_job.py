@@ -9,6 +9,7 @@ attention examples). The result is cached for the whole pytest session.
 from __future__ import annotations
 
 import functools
+import os
 
 WORLD_SIZE = 4
 # 240 s before the uneven cases; they added ~12 s (+15%) to a ~76 s run (measured without
@@ -29,7 +30,10 @@ AUTO_SPLIT = [2, 1, 1, 1]
 # The uneven attention examples: S = 1,003 over cp = 4 -> [251, 251, 251, 250].
 UNEVEN_SEQ_LEN = 1003
 UNEVEN_ATTENTION = {**_CP4, "seq_len": UNEVEN_SEQ_LEN, "batch": 1}
+HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = {
+    # the examples.* checks are test-only: tests/_examples_checks.py (tests/ on the ranks' path)
+    "modules": ["_examples_checks"],
     "checks": [
         {"name": "layers.init_exact", "params": _TP4},
         {"name": "layers.errors", "params": _TP4},
@@ -90,7 +94,9 @@ def run_job():
     """Launch the battery once per session; returns the harness LaunchResult."""
     from mindscience.distributed.harness import launch
 
-    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S)
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, path) if p)}
+    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=env)
 
 
 def describe_failures(result) -> str:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import _layers_job
+from _examples_checks import examples_dir
 from mindscience.distributed.group import ParallelGroup
 from mindscience.distributed.harness import find_free_port, find_msrun, stop_job
-from mindscience.distributed.harness.checks.examples import examples_dir
 
 EXAMPLES = ("tp_mlp", "attention_tp", "attention_ulysses", "attention_cp_allgather")
 
@@ -49,6 +49,18 @@ def test_cp_example_command_line_takes_seq_len(name, capsys):
         _load(name).main(["--seq-len", "0"])
     assert info.value.code == 2
     assert "--seq-len 0 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("train_transformer", ["--steps", "2", "--mode", "pynative"]),
+    ("train_pipeline", ["--steps", "2", "--mode", "pynative", "--schedules", "1f1b"]),
+])
+def test_gpt_example_command_line_in_a_plain_process(name, argv, capsys):
+    """The GPTModel examples' command line in one process (the dense model against itself;
+    their layouts run in tests/test_mappings.py's 8-rank job)."""
+    assert _load(name).main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"examples.{name}: PASSED on all ranks" in out and "tp1 x cp1 x dp1 x pp1" in out
 
 
 def test_uneven_sequence_shards_partition_the_sequence():

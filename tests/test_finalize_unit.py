@@ -12,8 +12,8 @@ import pytest
 ms = pytest.importorskip("mindspore")
 
 from mindscience.distributed.finalize import GradientFinalizer, finalize_gradients, plan_buckets  # noqa: E402
-from mindscience.distributed.harness.checks.training import finalize_reference  # noqa: E402
 from mindscience.distributed.topology import Layout  # noqa: E402
+from _training_checks import finalize_reference  # noqa: E402
 
 
 def test_plan_buckets_by_dtype_and_size():
@@ -29,7 +29,7 @@ def test_reference_sums_sequence_parallel_over_tp_then_averages_dp_cp():
     lay = Layout(world_size=8, tp=2, cp=2, pp=1)  # dp = 2, dp-cp of rank 0 = {0, 2, 4, 6}
     params = (((2,), "float32", True), ((2,), "float32", False))
     ref = finalize_reference(lay, 0, params)
-    from mindscience.distributed.harness.checks.training import _grad_values
+    from _training_checks import _grad_values
 
     dpcp = lay.group_of(0, "dp-cp")
     want_sp = sum(sum(_grad_values(k, 0, (2,)) for k in lay.group_of(m, "tp")) for m in dpcp) / len(dpcp)

@@ -18,6 +18,7 @@ identity and argument errors (no communication needed for those).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from mindscience.distributed.group import ParallelGroup
 from mindscience.distributed.harness.checks import mappings as mchecks
 from mindscience.distributed.topology import Layout
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 MAPPINGS = mchecks.MAPPING_NAMES
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -46,8 +48,11 @@ UNEVEN_LAYOUTS = [{"tp": 4}, {"cp": 4}]
 UNEVEN_SPLITS = [[2, 1, 1, 1], [1, 1, 1, 0], [3, 0, 2, 1]]
 PLAN_KEYS_8 = PLAN_KEYS + ["tp-cp", "tp-dp-pp"]
 
+# Test-only check modules (tests/_*_checks.py), imported by the ranks with tests/ on their
+# PYTHONPATH (see _launch).
 SPEC_4 = {
     "layout": {"world_size": 4, "tp": 2, "cp": 2},
+    "modules": ["_manager_checks", "_checkpoint_checks", "_checkpoint_resume_checks"],
     "checks": [
         # step 0: the full matrix on tp and cp (3 dtypes x 2 shapes x 10 mappings each).
         {"name": "mappings.all", "params": {"dtypes": list(DTYPES)}},
@@ -93,7 +98,8 @@ SPEC_4 = {
 }
 # Pipeline parallelism (issue 20) inside the same 8-rank job: p2p on 2 stages (tp2 x cp2 x pp2)
 # and on 4 stages (tp2 x pp4), every schedule against dense, the memory bound, error cases,
-# the embedding-group finalizer, and examples/train_pipeline.py (tp2 x pp2 x dp2).
+# the embedding-group finalizer, examples/inside_train_pipeline.py (hand-cut stages) and
+# examples/train_pipeline.py (GPTModel, 1F1B and interleaved), both tp2 x pp2 x dp2.
 PP4 = {"tp": 2, "pp": 4}
 PIPELINE_CHECKS_8 = [
     {"name": "p2p.ring", "params": {"groups": ["pp", "world"], "offsets": [1, -1],
@@ -118,11 +124,14 @@ PIPELINE_CHECKS_8 = [
     # PyNative runs the example ~10x slower than jit here (measured 20 s vs 2 s a step on 8
     # ranks / 2 cores): the example trains every schedule under jit; the toy pipeline.step
     # checks run every schedule in PyNative on 2 and 4 stages.
-    {"name": "examples.train_pipeline", "params": {"layout": {"tp": 2, "pp": 2}, "steps": 3,
-                                                   "modes": ["jit"]}},
+    {"name": "examples.inside_train_pipeline", "params": {"layout": {"tp": 2, "pp": 2}, "steps": 3,
+                                                          "modes": ["jit"]}},
+    # GPTModel + DistributedOptimizer: 1F1B, then interleaved (2 chunks a rank), jit, 2 steps each.
+    {"name": "examples.train_pipeline", "params": {"layout": {"tp": 2, "pp": 2}, "steps": 2}},
 ]
 SPEC_8 = {
     "layout": {"world_size": 8, "tp": 2, "cp": 2, "pp": 2},
+    "modules": ["_manager_checks", "_training_checks", "_examples_checks"],
     "checks": [
         {"name": "mappings.all", "params": {"dtypes": ["float32"], "shapes": [[4, 2, 4]]}},
         {"name": "manager.reinit", "params": {"layouts": REINIT_LAYOUTS_8, "keys": PLAN_KEYS_8,
@@ -132,10 +141,13 @@ SPEC_8 = {
         {"name": "training.finalize", "params": {"modes": ["pynative", "jit"],
                                                  "bucket_sizes_mb": [0, 6.1e-5]}},
         {"name": "training.finalize", "params": {"modes": ["graph"], "bucket_sizes_mb": [32.0]}},
-        # step 4: examples/train_transformer.py as tp2 x cp2 x dp2 (then the layout is restored)
-        {"name": "examples.train_transformer", "params": {"tp": 2, "cp": 2, "steps": 4}},
+        # step 4: examples/inside_train_transformer.py as tp2 x cp2 x dp2 (then the layout is restored)
+        {"name": "examples.inside_train_transformer", "params": {"tp": 2, "cp": 2, "steps": 4}},
         # step 5: finalize again, under the layout restored after the example
         {"name": "training.finalize", "params": {"modes": ["pynative"], "bucket_sizes_mb": [32.0]}},
+        # step 6: examples/train_transformer.py, GPTModel + DistributedOptimizer at tp2 x cp2 x dp2
+        # (sequence parallel, Ulysses), jit, 2 steps
+        {"name": "examples.train_transformer", "params": {"layout": {"tp": 2, "cp": 2}, "steps": 2}},
     ] + PIPELINE_CHECKS_8,
 }
 
@@ -145,7 +157,9 @@ def _launch(spec, world_size, tmp_path_factory, timeout):
     from mindscience.distributed.harness import launch
 
     log_dir = tmp_path_factory.mktemp(f"mappings_{world_size}ranks")
-    result = launch(spec, world_size, timeout=timeout, log_dir=str(log_dir))
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, path) if p)}  # the spec's "modules"
+    result = launch(spec, world_size, timeout=timeout, log_dir=str(log_dir), env=env)
     assert result.ok, (
         f"the {world_size}-rank job failed (logs in {result.log_dir}):\n"
         + "\n".join(f"rank {f['rank']} {f['kind']}: {f['reason']}\n{f.get('log_tail', '')}"
@@ -493,8 +507,8 @@ def test_8ranks_embedding_group_finalizer(job8):
 
 
 @pytest.mark.multiprocess
-def test_8ranks_train_pipeline_example_matches_dense(job8):
-    recs = job8.all(check="examples.train_pipeline")
+def test_8ranks_inside_train_pipeline_example_matches_dense(job8):
+    recs = job8.all(check="examples.inside_train_pipeline")
     assert len(recs) == 8
     rec = recs[0]
     assert rec["layout"] == {"tp": 2, "pp": 2, "dp": 2} and rec["layers"] >= 4 and rec["microbatches"] >= 4
@@ -502,7 +516,26 @@ def test_8ranks_train_pipeline_example_matches_dense(job8):
         assert rec["errors"][f"{schedule} {mode} loss vs dense (rel)"] <= 1e-5
         assert rec["errors"][f"{schedule} {mode} weights vs dense (rel)"] <= 1e-5
         assert len(rec[f"{schedule} {mode} loss"]) == rec["steps"] >= 3
+    _assert_passed(recs, "examples/inside_train_pipeline.py")
+
+
+@pytest.mark.multiprocess
+def test_8ranks_gpt_pipeline_example_matches_dense(job8):
+    """examples/train_pipeline.py: GPTModel (4 layers, tied embedding) + DistributedOptimizer at
+    tp2 x pp2 x dp2, 1F1B and interleaved (2 chunks a rank), jit: every step's global loss
+    equals the dense model's (built in the rank, the whole global batch) within 1e-5."""
+    recs = job8.all(check="examples.train_pipeline")
+    assert len(recs) == 8
     _assert_passed(recs, "examples/train_pipeline.py")
+    for r in recs:
+        assert r["layout"] == "tp2 x cp1 x dp2 x pp2" and r["mode"] == "jit"
+        assert set(r["errors"]) == {"1f1b loss (relative)", "interleaved loss (relative)"}
+        assert max(r["errors"].values()) == r["max_error"] <= 1e-5
+        for schedule in ("1f1b", "interleaved"):
+            dense = r[f"{schedule} dense_losses"]
+            assert len(r[f"{schedule} losses"]) == len(dense) == 2 and dense[1] < dense[0]
+    # every rank reports the same global curve (the pp group shares the loss, dp averages it)
+    assert len({tuple(round(v, 6) for v in r["interleaved losses"]) for r in recs}) == 1
 
 
 # ---------------------------------------------------------------------------- one process
@@ -766,7 +799,7 @@ def test_checkpoint_survives_a_layout_change(job4):
 
 @pytest.mark.multiprocess
 def test_checkpoint_resumes_the_transformer_at_other_layouts_and_pipelined(job4):
-    """examples/train_pipeline.py's 4-layer transformer trained 2 steps at tp2 x dp2 and
+    """examples/inside_train_pipeline.py's 4-layer transformer trained 2 steps at tp2 x dp2 and
     saved (model + AdamW moments + step counter), loaded from another seed's model at tp4,
     tp1 x dp4 and tp2 x pp2 (each stage its 2 layers, named globally; 1F1B over 2
     micro-batches): the next 2 losses equal the uninterrupted run's within 1e-6."""
@@ -798,12 +831,12 @@ def test_checkpoint_resumes_the_transformer_at_other_layouts_and_pipelined(job4)
 
 
 @pytest.mark.multiprocess
-def test_train_transformer_example_matches_dense_curve(job8):
-    """examples/train_transformer.py on tp2 x cp2 x dp2: the jit-compiled and the PyNative
+def test_inside_train_transformer_example_matches_dense_curve(job8):
+    """examples/inside_train_transformer.py on tp2 x cp2 x dp2: the jit-compiled and the PyNative
     train steps give the dense model's loss curve within 1e-4 relative."""
-    recs = [r for r in job8.all() if r["check"] == "examples.train_transformer"]
+    recs = [r for r in job8.all() if r["check"] == "examples.inside_train_transformer"]
     assert len(recs) == 8
-    _assert_passed(recs, "train_transformer")
+    _assert_passed(recs, "inside_train_transformer")
     for r in recs:
         assert r["layout"] == {"tp": 2, "cp": 2, "dp": 2}
         assert len(r["jit_loss"]) == len(r["pynative_loss"]) == len(r["dense_loss"]) == 4
@@ -817,3 +850,20 @@ def test_train_transformer_example_matches_dense_curve(job8):
         assert first - last >= 0.5 * (first - floor)
     # every rank reports the same global curve (mean over dp-cp of the local losses)
     assert len({tuple(round(v, 6) for v in r["jit_loss"]) for r in recs}) == 1
+
+
+@pytest.mark.multiprocess
+def test_gpt_transformer_example_matches_dense(job8):
+    """examples/train_transformer.py: GPTModel + DistributedOptimizer at tp2 x cp2 x dp2
+    (sequence parallel, Ulysses attention), jit: every step's global loss equals the dense
+    model's (built in the rank, the whole global batch) within 1e-5, and the loss falls."""
+    recs = [r for r in job8.all() if r["check"] == "examples.train_transformer"]
+    assert len(recs) == 8
+    _assert_passed(recs, "examples/train_transformer.py")
+    for r in recs:
+        assert r["layout"] == "tp2 x cp2 x dp2 x pp1"
+        assert (r["method"], r["mode"]) == ("ulysses", "jit")
+        assert r["errors"]["loss (relative)"] == r["max_error"] <= 1e-5
+        assert len(r["losses"]) == len(r["dense_losses"]) == 2
+        assert r["dense_losses"][1] < r["dense_losses"][0]
+    assert len({tuple(round(v, 6) for v in r["losses"]) for r in recs}) == 1

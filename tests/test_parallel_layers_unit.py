@@ -234,7 +234,7 @@ def test_long_sequence_example_in_a_plain_process():
     import importlib
     import sys
 
-    from mindscience.distributed.harness.checks.examples import examples_dir
+    from _examples_checks import examples_dir
 
     if examples_dir() not in sys.path:
         sys.path.insert(0, examples_dir())

@@ -10,7 +10,11 @@ process merges the records of all ranks: a check/group passes when it passed on 
 rank, and its max_error is the largest over ranks.
 
 Check modules live in ``mindscience.distributed.harness.checks``; the worker imports
-the modules listed in :data:`CHECK_MODULES` before running anything.
+the modules listed in :data:`CHECK_MODULES` before running anything, then the spec's own
+``"modules"``. What ships there is what ``msdist verify`` and ``msdist train`` put in their
+specs (tests/test_harness.py holds the list of exceptions); checks that only the test
+suite runs live beside it (``tests/_*_checks.py``) and reach the ranks through
+``spec["modules"]`` with tests/ on their PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -22,14 +26,9 @@ CHECK_MODULES = (
     "mindscience.distributed.harness.checks.basic",
     "mindscience.distributed.harness.checks.layout",
     "mindscience.distributed.harness.checks.mappings",
-    "mindscience.distributed.harness.checks.manager",
     "mindscience.distributed.harness.checks.layers",
     "mindscience.distributed.harness.checks.attention",
     "mindscience.distributed.harness.checks.vocab",
-    "mindscience.distributed.harness.checks.examples",
-    "mindscience.distributed.harness.checks.training",
-    "mindscience.distributed.harness.checks.checkpoint",
-    "mindscience.distributed.harness.checks.checkpoint_resume",
     "mindscience.distributed.harness.checks.bandwidth",
     "mindscience.distributed.harness.checks.compute",
     "mindscience.distributed.harness.checks.p2p",

@@ -1,9 +1,5 @@
 """Checks of the pipeline runtime (:mod:`mindscience.distributed.pipeline`).
 
-``examples.train_pipeline``
-    examples/train_pipeline.py under ``layout`` (default tp2 x pp2, dp from the world):
-    every schedule x mode against the dense model, step by step (its record).
-
 ``pipeline.step``
     One ``forward_backward`` step of a toy stage (a linear layer and tanh per stage, 4
     micro-batches) for each schedule and mode against the dense model computed by every
@@ -24,22 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import CheckContext, check
-from .examples import _load_example
 from .p2p import _raises, under_layout
-
-
-@check("examples.train_pipeline")
-def example_train_pipeline(ctx: CheckContext, layout=None, **params) -> dict:
-    """examples/train_pipeline.py: each schedule's loss curve and weights vs dense."""
-    layout = layout or {"tp": 2, "pp": 2}
-
-    def body(manager):
-        module = _load_example("train_pipeline")
-        record = module.run(**params)
-        record.setdefault("check", "examples.train_pipeline")
-        return [record]
-
-    return under_layout(ctx, layout, body)[0]
 
 
 def _toy(seed, layer, dim):
@@ -187,57 +168,4 @@ def _errors(manager, m, dim):
         err = max(lerr, gerr)
         rec(f"loss_fn_{name}", err <= 1e-5, f"loss {float(loss.asnumpy()):.6f} vs dense "
             f"{float(want_loss.asnumpy()):.6f}, grad error {gerr:.2e}", err)
-    return records
-
-
-@check("training.finalize_embedding")
-def finalize_embedding(ctx: CheckContext, modes=("pynative", "jit"), layout=None) -> list:
-    """GradientFinalizer with pp: tied (``shared_embedding``) gradients summed over the
-    embedding group (first + last stage), then every gradient averaged over dp-cp, vs numpy."""
-    return under_layout(ctx, layout, lambda manager: _finalize_embedding(ctx, manager, modes))
-
-
-def _gvals(world_rank, index, shape):
-    n = int(np.prod(shape))
-    return ((np.arange(n) % 5 + world_rank + 3 * index) % 8).reshape(shape).astype(np.float32)
-
-
-def _finalize_embedding(ctx, manager, modes):
-    import mindspore as ms
-
-    from mindscience.distributed.finalize import GradientFinalizer
-
-    from .training import _call
-
-    lay = manager.get_layout()
-    shapes = ((4, 3), (5,), (2, 2))
-    tied = (True, False, True)
-    params = []
-    for k, (shape, t) in enumerate(zip(shapes, tied)):
-        prm = ms.Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=f"e{k}")
-        if t:
-            prm.shared_embedding = True
-        params.append(prm)
-    grads = tuple(ms.Tensor(_gvals(ctx.rank, k, s)) for k, s in enumerate(shapes))
-
-    def ends(rank):
-        pp = lay.group_of(rank, "pp")
-        return [pp[0], pp[-1]] if len(pp) > 1 and rank in (pp[0], pp[-1]) else [rank]
-
-    dpcp = lay.group_of(ctx.rank, "dp-cp")
-    want = []
-    for k, (shape, t) in enumerate(zip(shapes, tied)):
-        acc = np.zeros(shape, np.float64)
-        for d in dpcp:
-            acc += sum(_gvals(e, k, shape) for e in ends(d)) if t else _gvals(d, k, shape)
-        want.append(acc / len(dpcp))
-    emb = manager.get_embedding_group()
-    records = []
-    for mode in modes:
-        fin = GradientFinalizer(params)
-        got = _call(fin, grads, mode)
-        err = max(float(np.abs(g.asnumpy() - w).max()) for g, w in zip(got, want))
-        records.append({"check": "training.finalize_embedding", "group": "embedding+dp-cp",
-                        "mode": mode, "embedding_group": list(emb.ranks), "max_error": err,
-                        "passed": bool(err == 0.0)})
     return records

@@ -1,8 +1,11 @@
 """Resume the example transformer from a sharded checkpoint at other layouts, pipeline included.
 
+Test-only (``msdist verify`` does not run it): the worker imports this module through
+``spec["modules"]`` (``["_checkpoint_resume_checks"]``, tests/ on the ranks' PYTHONPATH).
+
 ``checkpoint.resume_transformer`` (4 ranks by default; any world size the layouts divide):
 
-1. At ``first`` (default tp2 x dp2) build the model of ``examples/train_pipeline.py``:
+1. At ``first`` (default tp2 x dp2) build the model of ``examples/inside_train_pipeline.py``:
    ``layers`` (default 4) pre-layernorm ``Layer``s (tensor-parallel attention and MLP),
    stacked as ``layers.<i>`` in one ``Stage``, with ``nn.AdamWeightDecay`` and
    :class:`~mindscience.distributed.finalize.GradientFinalizer` (PyNative). Train ``steps``
@@ -18,7 +21,7 @@
    over ``microbatches`` equal micro-batches of each dp rank's share of the global batch:
    the pipeline's loss (the mean of the micro-batch means) is then the batch's mean loss,
    and its gradients those of that mean, so the losses must match within ``atol`` too.
-4. With ``block=True``, the same for ``examples/train_transformer.py``'s ``Block`` (vocab-
+4. With ``block=True``, the same for ``examples/inside_train_transformer.py``'s ``Block`` (vocab-
    parallel embedding, sequence-parallel layers, column-parallel LM head, vocab-parallel
    cross-entropy) at ``first`` then each of ``others`` (no pipeline: it is one block).
 
@@ -36,13 +39,13 @@ import time
 
 import numpy as np
 
-from ..registry import CheckContext, check
-from .checkpoint import _barrier, group_mean, train_steps
-from .examples import _load_example
-from .groups import current_layout_args, layout_label, reinit, restore
+from _checkpoint_checks import _barrier, group_mean, train_steps
+from _examples_checks import load_example
+from mindscience.distributed.harness.checks.groups import current_layout_args, layout_label, reinit, restore
+from mindscience.distributed.harness.registry import CheckContext, check
 
 NAME = "checkpoint.resume_transformer"
-# train_pipeline's sizes: 4 heads split over tp <= 4, 8 sequences over dp x micro-batches.
+# inside_train_pipeline's sizes: 4 heads split over tp <= 4, 8 sequences over dp x micro-batches.
 DIMS = {"seq_len": 8, "batch": 8, "d_model": 16, "num_heads": 4, "ffn": 32}
 
 
@@ -57,7 +60,7 @@ class _Example:
     """An example script's model; ``batches`` are its global (ids or inputs, targets) pairs."""
 
     def __init__(self, example: str, lr: float):
-        self.mod = _load_example(example)
+        self.mod = load_example(example)
         self.lr = lr
 
     def batches(self, n: int) -> list:
@@ -66,13 +69,13 @@ class _Example:
 
 
 class _Layers(_Example):
-    """examples/train_pipeline.py's model: ``layers`` pre-layernorm ``Layer``s (tensor-
+    """examples/inside_train_pipeline.py's model: ``layers`` pre-layernorm ``Layer``s (tensor-
     parallel attention and MLP) in a ``Stage``, mean-square loss against random targets."""
 
     name = "layers"
 
     def __init__(self, layers: int, lr: float):
-        super().__init__("train_pipeline", lr)
+        super().__init__("inside_train_pipeline", lr)
         self.layers = layers
 
     def build(self, seed: int, pipeline: bool = False):
@@ -130,13 +133,13 @@ class _Layers(_Example):
 
 
 class _Block(_Example):
-    """examples/train_transformer.py's ``Block``: vocab-parallel embedding, sequence-
+    """examples/inside_train_transformer.py's ``Block``: vocab-parallel embedding, sequence-
     parallel layer, column-parallel LM head, vocab-parallel cross-entropy (pp == 1)."""
 
     name = "block"
 
     def __init__(self, lr: float):
-        super().__init__("train_transformer", lr)
+        super().__init__("inside_train_transformer", lr)
 
     def build(self, seed: int, pipeline: bool = False):
         from mindspore import nn
@@ -232,7 +235,7 @@ def resume_transformer(ctx: CheckContext, first=None, others=None, pipelines=Non
                        atol: float = 1e-6, block: bool = False) -> list:
     """Save the example transformer (``layers`` layers) at ``first`` after ``steps`` steps,
     resume at each of ``others`` and of ``pipelines`` (e.g. ``{"tp": 2, "pp": 2}``: 1F1B
-    over ``microbatches``); ``block=True`` adds train_transformer's Block at ``first`` and
+    over ``microbatches``); ``block=True`` adds inside_train_transformer's Block at ``first`` and
     ``others`` (off by default: see the module doc for the cost)."""
     import mindspore as ms
 

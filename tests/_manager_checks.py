@@ -1,4 +1,6 @@
-"""Checks of the group manager, run inside every rank (the test suite and ``msdist verify``).
+"""Test-only harness checks of the group manager, run inside every rank (``msdist verify``
+checks the groups with ``layout.init`` instead; the worker imports this module through
+``spec["modules"]``, ``["_manager_checks"]``, with tests/ on the ranks' PYTHONPATH).
 
 ``manager.reinit``
     For each layout of ``layouts`` (``[{"tp": 2, "cp": 2, "pp": 1, "order": ...}]``):
@@ -22,10 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..registry import CheckContext, check
-from .groups import current_layout_args, groups_of, layout_label, restore
-from .mapping_reference import MAPPING_NAMES
-from .mappings import run_mappings
+from mindscience.distributed.harness.checks.groups import current_layout_args, groups_of, layout_label, restore
+from mindscience.distributed.harness.checks.mapping_reference import MAPPING_NAMES
+from mindscience.distributed.harness.checks.mappings import run_mappings
+from mindscience.distributed.harness.registry import CheckContext, check
 
 
 # ------------------------------------------------------------------ manager.reinit

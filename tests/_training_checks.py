@@ -1,23 +1,26 @@
-"""Checks of the training path: gradient finalization and the end-to-end training example.
+"""Test-only harness checks of gradient finalization (``msdist verify`` runs none of them).
+
+Imported by the worker through ``spec["modules"]`` (``["_training_checks"]``, tests/ on the
+ranks' PYTHONPATH; see tests/test_mappings.py):
 
 * ``training.finalize``: :class:`~mindscience.distributed.finalize.GradientFinalizer`
   on known per-rank gradients (float32 and bfloat16, some parameters marked
   ``sequence_parallel``), per-tensor and bucketed, in each execution mode, against the
   numpy sum over tp and mean over dp-cp computed from the plan's groups. Exact: the
   inputs are small integers times powers of two.
-* ``examples.train_transformer``: examples/train_transformer.py (tp x cp x dp, a
-  jit-compiled train step and PyNative) against the dense model's loss curve. Runs
-  under ``tp``/``cp`` (default 2 x 2) and restores the layout in force afterwards.
+* ``training.finalize_embedding``: with pp, tied (``shared_embedding``) gradients summed
+  over the embedding group (first + last stage), then every gradient averaged over dp-cp,
+  against numpy, under ``layout`` (default: the layout in force).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..registry import CheckContext, check
-from .examples import _run_example
-from .groups import current_layout_args, ensure_manager, layout_label, restore
-from .modes import check_mode
+from mindscience.distributed.harness.checks.groups import ensure_manager, layout_label
+from mindscience.distributed.harness.checks.modes import check_mode
+from mindscience.distributed.harness.checks.p2p import under_layout
+from mindscience.distributed.harness.registry import CheckContext, check
 
 # (shape, dtype, sequence_parallel): > 2 buckets' worth of small tensors when the bucket
 # is 64 bytes, one large tensor, a bfloat16 one.
@@ -111,12 +114,52 @@ def _call(fin, grads, mode):
     return fin(grads)
 
 
-@check("examples.train_transformer")
-def example_train_transformer(ctx: CheckContext, tp=2, cp=2, **params) -> dict:
-    """examples/train_transformer.py: jit and PyNative loss curves vs the dense model."""
-    manager = ensure_manager(ctx)
-    previous = current_layout_args(manager)
-    try:
-        return _run_example(ctx, "train_transformer", tp, cp, **params)
-    finally:
-        restore(manager, previous)
+@check("training.finalize_embedding")
+def finalize_embedding(ctx: CheckContext, modes=("pynative", "jit"), layout=None) -> list:
+    """GradientFinalizer with pp: tied (``shared_embedding``) gradients summed over the
+    embedding group (first + last stage), then every gradient averaged over dp-cp, vs numpy."""
+    return under_layout(ctx, layout, lambda manager: _finalize_embedding(ctx, manager, modes))
+
+
+def _gvals(world_rank, index, shape):
+    n = int(np.prod(shape))
+    return ((np.arange(n) % 5 + world_rank + 3 * index) % 8).reshape(shape).astype(np.float32)
+
+
+def _finalize_embedding(ctx, manager, modes):
+    import mindspore as ms
+
+    from mindscience.distributed.finalize import GradientFinalizer
+
+    lay = manager.get_layout()
+    shapes = ((4, 3), (5,), (2, 2))
+    tied = (True, False, True)
+    params = []
+    for k, (shape, t) in enumerate(zip(shapes, tied)):
+        prm = ms.Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=f"e{k}")
+        if t:
+            prm.shared_embedding = True
+        params.append(prm)
+    grads = tuple(ms.Tensor(_gvals(ctx.rank, k, s)) for k, s in enumerate(shapes))
+
+    def ends(rank):
+        pp = lay.group_of(rank, "pp")
+        return [pp[0], pp[-1]] if len(pp) > 1 and rank in (pp[0], pp[-1]) else [rank]
+
+    dpcp = lay.group_of(ctx.rank, "dp-cp")
+    want = []
+    for k, (shape, t) in enumerate(zip(shapes, tied)):
+        acc = np.zeros(shape, np.float64)
+        for d in dpcp:
+            acc += sum(_gvals(e, k, shape) for e in ends(d)) if t else _gvals(d, k, shape)
+        want.append(acc / len(dpcp))
+    emb = manager.get_embedding_group()
+    records = []
+    for mode in modes:
+        fin = GradientFinalizer(params)
+        got = _call(fin, grads, mode)
+        err = max(float(np.abs(g.asnumpy() - w).max()) for g, w in zip(got, want))
+        records.append({"check": "training.finalize_embedding", "group": "embedding+dp-cp",
+                        "mode": mode, "embedding_group": list(emb.ranks), "max_error": err,
+                        "passed": bool(err == 0.0)})
+    return records

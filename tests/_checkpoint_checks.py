@@ -1,4 +1,6 @@
-"""Checks of sharded checkpoints on real ranks: train, save, change layout, load, resume.
+"""Test-only harness checks of sharded checkpoints on real ranks: train, save, change layout,
+load, resume (``msdist verify`` runs none of them; the worker imports this module through
+``spec["modules"]``, ``["_checkpoint_checks"]``, with tests/ on the ranks' PYTHONPATH).
 
 ``checkpoint.layout_change`` (any world size divisible by the layouts' model sizes):
 
@@ -27,8 +29,8 @@ import shutil
 
 import numpy as np
 
-from ..registry import CheckContext, check
-from .groups import current_layout_args, layout_label, reinit, restore
+from mindscience.distributed.harness.checks.groups import current_layout_args, layout_label, reinit, restore
+from mindscience.distributed.harness.registry import CheckContext, check
 
 SEQ, BATCH, HIDDEN, FFN = 4, 4, 8, 24
 
