@@ -42,11 +42,11 @@ for p in (str(ROOT), str(BENCH)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_mappings import _loadavg, run_bench_launch  # noqa: E402
+from bench_mappings import _loadavg  # noqa: E402
 from bench_plan import msdist  # noqa: E402
 from validate_cpu import spearman  # noqa: E402
 
-from mindscience.distributed.costmodel import estimate, load_workload, violations  # noqa: E402
+from mindscience.distributed.costmodel import estimate, load_workload, rank_layers, violations, what_runs  # noqa: E402
 from mindscience.distributed.costmodel.steptime import TERMS  # noqa: E402
 from mindscience.distributed.topology import Layout  # noqa: E402
 from mscli.commands.train import build_options, run_cluster  # noqa: E402
@@ -124,44 +124,102 @@ class LoadSampler:
         self._thread.join()
 
 
+def launch_partial(spec: dict, timeout: float):
+    """One msrun launch of ``spec`` (bench/ on the workers' path); ``(result, wall_s)``.
+
+    A launch that fails or times out still gives the layouts every rank finished (the
+    ranks write their records as they go): they are kept, the failure is printed, and
+    the layouts not reached are named by the caller.
+    """
+    import os
+
+    from mindscience.distributed.harness import launch
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)}
+    last = [0.0]
+
+    def progress(snap):
+        now = time.time()
+        if now - last[0] >= 60 or snap.get("finished"):
+            last[0] = now
+            done = {r: (s or {}).get("done") for r, s in (snap.get("ranks") or {}).items()}
+            print(f"[{snap.get('elapsed_s', 0):6.0f} s] load {_loadavg()} layouts done per rank {done}",
+                  file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    result = launch(spec, WORLD, timeout=timeout, env=env, on_progress=progress)
+    if not result.ok:
+        print(f"launch did not complete (log dir {result.log_dir}); keeping the layouts every rank finished:",
+              file=sys.stderr)
+        for f in result.failures:
+            print(f"  rank {f['rank']} {f['kind']}: {f['reason']}", file=sys.stderr)
+    return result, time.perf_counter() - started
+
+
 def measured_steps(result) -> dict:
-    """``{(tp, cp, pp, dp): {"step_s", "per_step_s", "losses", "build_s"}}``: per step the
-    slowest rank, then the median of the steps after the first (``msdist train``'s figure)."""
+    """``({(tp, cp, pp, dp): {"step_s", "per_step_s", "losses", "build_s"}}, {sizes: error})``:
+    per step the slowest rank, then the median of the steps after the first (``msdist train``'s
+    figure); the second mapping names the layouts a rank could not run, with its error."""
     from mindscience.distributed.training.report import steady_step_time
 
     per_layout: dict = {}
+    failed: dict = {}
     for state in result.ranks.values():
         for r in (state or {}).get("records", []):
             if r.get("check") != "bench.train_layout":
                 continue
             lay = r["layout"]
             key = (lay["tp"], lay["cp"], lay["pp"], lay["dp"])
+            if "error" in r:
+                failed.setdefault(key, r["error"])
+                continue
             entry = per_layout.setdefault(key, {"per_step_s": [0.0] * len(r["times_s"]), "losses": r["losses"],
                                                 "build_s": 0.0})
             entry["per_step_s"] = [max(a, b) for a, b in zip(entry["per_step_s"], r["times_s"])]
             entry["build_s"] = max(entry["build_s"], r["build_s"])
+            entry["ranks"] = entry.get("ranks", 0) + 1
+    for key in failed:
+        per_layout.pop(key, None)  # a layout some rank could not run is not measured
+    for key in [k for k, e in per_layout.items() if e["ranks"] < WORLD]:
+        per_layout.pop(key)  # cut off by a timeout on some rank: its slowest rank is unknown
     for entry in per_layout.values():
         entry["step_s"] = steady_step_time(entry["per_step_s"])
-    return per_layout
+    return per_layout, failed
 
 
-def term_fit(rows: list) -> dict:
+def layer_passes(workload, lay) -> float:
+    """Layer forward passes the busiest rank runs per step: its layers x micro-batches x (1 forward
+    + 2 for the backward + the pipeline's re-run forward), the count a per-pass framework cost scales with."""
+    from mindscience.distributed.costmodel.comm import recompute_passes
+    from mindscience.distributed.costmodel.memory import num_microbatches
+
+    training, runtime, _ = what_runs(workload.training, lay.tp, lay.cp, lay.pp, lay.dp)
+    m = num_microbatches(training, lay.dp, lay.world_size)
+    layers = rank_layers(workload.model, training, lay.pp)
+    return max(layers[i] * m * (3 + recompute_passes(workload.model, training, lay.pp, i, runtime))
+               for i in range(lay.pp))
+
+
+def term_fit(rows: list, extra: str | None = None) -> dict:
     """Non-negative least squares ``measured ~ sum_k c_k * term_k`` over the layouts.
 
     Only terms that are non-zero somewhere take part. ``c_k`` is how much the measurement
-    says term k costs per second the model predicts for it: 1 = priced right.
+    says term k costs per second the model predicts for it: 1 = priced right. ``extra``
+    adds a row key as one more column (its coefficient: seconds per unit), e.g. the
+    busiest rank's ``layer_passes``, a cost the model does not have.
     """
     import numpy as np
     from scipy.optimize import nnls
 
     names = [k for k in TERMS if any(r["breakdown"][k] > 0 for r in rows)]
-    a = np.array([[r["breakdown"][k] for k in names] for r in rows])
+    a = np.array([[r["breakdown"][k] for k in names] + ([r[extra]] if extra else []) for r in rows])
     y = np.array([r["measured_s"] for r in rows])
     # Relative errors matter (times span an order of magnitude): weight each row by 1/measured.
     coef, _ = nnls(a / y[:, None], np.ones_like(y))
     fitted = a @ coef
-    return {"coefficients": dict(zip(names, coef.tolist())),
-            "median_abs_error": float(np.median(np.abs(fitted / y - 1)))}
+    return {"coefficients": dict(zip(names + ([extra] if extra else []), coef.tolist())),
+            "median_abs_error": float(np.median(np.abs(fitted / y - 1))),
+            "spearman": spearman(fitted.tolist(), y.tolist())}
 
 
 def table(rows: list) -> list:
@@ -220,18 +278,22 @@ def main(argv=None) -> int:
             "modules": ["validate_train_checks"]}
     load_before = _loadavg()
     with LoadSampler() as sampler:
-        launched = run_bench_launch(spec, WORLD, args.timeout, progress_every_s=60)
-    if launched is None:
-        return 1
-    result, wall, load_after = launched
+        result, wall = launch_partial(spec, args.timeout)
+    load_after = _loadavg()
     run = {"started": started, "wall_s": wall, "load_before": load_before, "load_after": load_after,
            "load_samples": sampler.samples}
-    return summarize(args, command, cases, skipped, measured_steps(result), report_path, run)
+    measured, failed = measured_steps(result)
+    skipped += [(key, f"{args.mode} failed: {error}") for key, error in sorted(failed.items())]
+    skipped += [((c[0].tp, c[0].cp, c[0].pp, c[0].dp), "not reached before the launch ended") for c in cases
+                if (c[0].tp, c[0].cp, c[0].pp, c[0].dp) not in measured
+                and (c[0].tp, c[0].cp, c[0].pp, c[0].dp) not in failed]
+    return summarize(args, command, cases, skipped, measured, report_path, run)
 
 
 def summarize(args, command: str, cases: list, skipped: list, measured: dict, report_path: Path, run: dict) -> int:
     """Price every measured layout, print the table and the figures, write ``--output``."""
     rows, cluster, sources = [], None, None
+    cases = [c for c in cases if (c[0].tp, c[0].cp, c[0].pp, c[0].dp) in measured]
     for lay, workload, _ in cases:
         priced = run_cluster(workload, lay, True, str(report_path))
         est = estimate(lay, priced)
@@ -241,7 +303,7 @@ def summarize(args, command: str, cases: list, skipped: list, measured: dict, re
         rows.append({"layout": key, "microbatches": est["model"]["num_microbatches"],
                      "predicted_s": est["time"]["step_time_s"], "measured_s": got["step_s"],
                      "breakdown": est["time"]["breakdown"], "per_step_s": got["per_step_s"],
-                     "losses": got["losses"], "build_s": got["build_s"],
+                     "losses": got["losses"], "build_s": got["build_s"], "layer_passes": layer_passes(workload, lay),
                      "calls": {g: sum(r["count"] for r in est["communication"]["per_step"] if r["group"] == g)
                                for g in ("tp", "cp", "pp", "dp-cp")}})
     from mindscience.distributed.costmodel.calibrate import calibrate, read_report
@@ -251,6 +313,7 @@ def summarize(args, command: str, cases: list, skipped: list, measured: dict, re
     errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     fit = term_fit(rows) if len(rows) > 2 else None
+    fit_passes = term_fit(rows, "layer_passes") if len(rows) > 3 else None
     loads = run["load_samples"]
     print(f"command: {command}")
     print(f"started {run['started']}; {WORLD} ranks, {len(rows)} layouts, launch wall {run['wall_s']:.0f} s; load "
@@ -259,7 +322,7 @@ def summarize(args, command: str, cases: list, skipped: list, measured: dict, re
     print(f"calibrated: {cluster.effective_flops / 1e12:.4g} TFLOP/s, intra-node {cluster.intra_node_gbps:.4g} GB/s, "
           f"{cluster.intra_node_latency_us:.4g} us per call")
     if skipped:
-        print("not run (constraint or batch): " + "; ".join(f"{s}: {why}" for s, why in skipped))
+        print("not measured: " + "; ".join(f"{s}: {why}" for s, why in skipped))
     print()
     print("\n".join(table(rows)))
     print(f"\nmedian |error| {statistics.median(errors):.0%}, Spearman rank correlation {rho:.2f} over "
@@ -267,12 +330,17 @@ def summarize(args, command: str, cases: list, skipped: list, measured: dict, re
     if fit:
         coefs = ", ".join(f"{k[:-2]} x{v:.2f}" for k, v in fit["coefficients"].items())
         print(f"NNLS fit measured ~ sum c_k term_k: {coefs} (median |error| of the fit "
-              f"{fit['median_abs_error']:.0%})")
+              f"{fit['median_abs_error']:.0%}, Spearman {fit['spearman']:.2f})")
+    if fit_passes:
+        coefs = ", ".join(f"{k} x{v:.3g}" for k, v in fit_passes["coefficients"].items())
+        print(f"  with the busiest rank's layer passes as a column: {coefs} (median |error| "
+              f"{fit_passes['median_abs_error']:.0%}, Spearman {fit_passes['spearman']:.2f})")
     if args.output:
         Path(args.output).write_text(json.dumps({
             "command": command, **run, "report": str(report_path),
             "cluster": asdict(cluster), "sources": sources, "rows": rows, "skipped": skipped,
-            "median_abs_error": statistics.median(errors), "spearman": rho, "fit": fit}, indent=2))
+            "median_abs_error": statistics.median(errors), "spearman": rho, "fit": fit,
+            "fit_with_layer_passes": fit_passes}, indent=2))
     return 0
 
 

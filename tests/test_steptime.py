@@ -597,3 +597,16 @@ def test_calibrate_per_op_latency_and_alpha_beta_bandwidth_by_hand():
     assert got.intra_node_gbps == pytest.approx(2.0)
     assert where["intra_node_gbps"] == "r.json: median busbw of 3 intra-node row(s) above the smallest size (alpha-beta)"
     assert got.intra_node_latency_us == pytest.approx(120.0)  # the median of 100, 140, 900, 50
+
+
+def test_a_ring_shift_over_more_than_two_ranks_is_two_pair_transfers_on_the_cpu_device():
+    model = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=2, seq_length=8, vocab_size=0)
+    train = TrainingSpec(global_batch_size=1, sequence_parallel=False)  # ring attention (the default)
+    composed, native = cluster(device="cpu"), cluster()
+    # cp = 4, one micro-batch of 2 layers: (cp - 1) shifts forward and cp backward per layer, 14 in all;
+    # on the cpu device each is two 2-rank transfers in turn: 14 more latencies of 10 us.
+    four = [step_time(model, train, c, tp=1, cp=4, pp=1, dp=1)["breakdown"]["cp_s"] for c in (composed, native)]
+    assert four[0] - four[1] == pytest.approx(14 * 10e-6)
+    # cp = 2: one exchange with the one neighbour, the same on both.
+    two = [step_time(model, train, c, tp=1, cp=2, pp=1, dp=1)["breakdown"]["cp_s"] for c in (composed, native)]
+    assert two[0] == pytest.approx(two[1])

@@ -8,10 +8,15 @@ cost model's cluster values:
 * ``peak_tflops x compute_efficiency`` = the measured matmul TFLOP/s: the efficiency is
   ``measured / peak`` (the peak stays the MFU denominator); a device faster than the
   configured peak raises the peak to the measurement (efficiency 1);
-* ``intra_node_gbps`` / ``inter_node_gbps``: the median busbw, at each (op, group)'s
-  largest measured size, of the groups inside a node / across nodes;
+* ``intra_node_gbps`` / ``inter_node_gbps``: the median, over the (op, group) rows inside a
+  node / across nodes, of the bus bandwidth of the bytes beyond the smallest size
+  (:func:`slope_busbw`, alpha-beta: the step model adds each call's latency on its own);
+  the median busbw of the largest sizes when no row grew with the size;
 * ``intra_node_latency_us`` / ``inter_node_latency_us``: the median of the same rows'
-  ``latency_us`` (the time of the smallest size).
+  ``latency_us`` (the time of the smallest size);
+* ``collective_latency_us``: inside a node, per op and group size, the median
+  ``latency_us`` of the groups that ran it (:func:`latency_table`), so that a call costs
+  the latency of its own op and group size.
 
 What the report lacks (say no group crossed nodes) stays as configured, and
 :func:`cluster_sources` says where every value came from.

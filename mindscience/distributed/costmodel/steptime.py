@@ -121,16 +121,41 @@ def _link(cluster: ClusterSpec, crosses: bool) -> tuple[float, float]:
     return cluster.intra_node_gbps * 1e9, cluster.intra_node_latency_us * 1e-6
 
 
+COMPOSED_DEVICES = ("cpu",)  # devices whose collectives the library composes (collectives.get_backend)
+
+
+def backend_calls(row: dict, cluster: ClusterSpec) -> int:
+    """Backend calls, one after the other, of each call a traffic row counts.
+
+    A point-to-point transfer is a pair's (2 ranks). On a device whose collectives the
+    library composes (the ``cpu`` preset: no send/recv kernel, :mod:`mindscience.distributed.p2p`),
+    a ring shift over ``n > 2`` ranks is two such transfers in turn, one to each neighbour
+    over its own 2-rank communicator; native send/recv run both at once. Everything else
+    is one call.
+
+        >>> ring = {"group": "cp", "op": "send_recv", "group_size": 4}
+        >>> backend_calls(ring, ClusterSpec(device="cpu")), backend_calls(ring, ClusterSpec(device="h100-80gb"))
+        (2, 1)
+    """
+    composed = cluster.device in COMPOSED_DEVICES
+    return 2 if composed and row["op"] == "send_recv" and row["group"] != "pp" and row["group_size"] > 2 else 1
+
+
 def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, crosses: bool) -> float:
     """Alpha-beta time of a group's rows from :func:`~.comm.traffic`: ``calls * latency + bytes / bandwidth``.
 
     The latency of a row is its op's on its group size (:meth:`~.spec.ClusterSpec.collective_latency_s`:
-    a calibrated ``collective_latency_us``, else the link's one latency).
+    a calibrated ``collective_latency_us``, else the link's one latency; a transfer's group
+    is its pair), times :func:`backend_calls`.
     """
     bandwidth, _ = _link(cluster, crosses)
+
+    def latency(r):
+        n = 2 if r["op"] == "send_recv" else r["group_size"]
+        return backend_calls(r, cluster) * cluster.collective_latency_s(r["op"], n, crosses)
+
     # Start at 0.0: a group without rows (size 1) is 0.0 s, a float like every other term.
-    return sum((r["count"] * cluster.collective_latency_s(r["op"], r["group_size"], crosses)
-                + r["bytes"] / bandwidth for r in rows if r["group"] == group), 0.0)
+    return sum((r["count"] * latency(r) + r["bytes"] / bandwidth for r in rows if r["group"] == group), 0.0)
 
 
 def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
