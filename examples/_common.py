@@ -84,6 +84,11 @@ def layout_label() -> str:
     return " x ".join(f"{k}{v}" for k, v in sizes.items())
 
 
+def numel(net) -> int:
+    """How many parameter values ``net`` holds in this process (its shards at a layout)."""
+    return sum(int(np.prod(p.shape)) for p in net.trainable_params())
+
+
 def world_rank() -> int:
     from mindspore.communication import get_rank
 

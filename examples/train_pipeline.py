@@ -67,7 +67,8 @@ def run(steps: int = 3, schedules=("1f1b", "interleaved"), mode: str = "jit", mi
         curves[f"{schedule} losses"], curves[f"{schedule} dense_losses"] = losses, dense_losses
         errors[f"{schedule} loss (relative)"] = max(abs(a - b) / abs(b) for a, b in zip(losses, dense_losses))
         fell = fell and dense_losses[-1] < dense_losses[0]
-    record = C.result(NAME, errors, rtol, layout=C.layout_label(), mode=mode, **curves)
+    record = C.result(NAME, errors, rtol, layout=C.layout_label(), mode=mode, **curves,
+                      parameters={"this rank": C.numel(model), "dense": C.numel(dense)})
     record["passed"] = bool(record["passed"] and fell)
     return record
 

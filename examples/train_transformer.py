@@ -59,7 +59,8 @@ def run(steps: int = 3, method: str = "ulysses", mode: str = "jit", rows: int = 
         dense_losses.append(float(loss.asnumpy()))
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, dense_losses))
     record = C.result(NAME, {"loss (relative)": rel}, rtol, layout=C.layout_label(), method=method,
-                      mode=mode, losses=losses, dense_losses=dense_losses)
+                      mode=mode, losses=losses, dense_losses=dense_losses,
+                      parameters={"this rank": C.numel(model), "dense": C.numel(dense)})
     record["passed"] = bool(record["passed"] and dense_losses[-1] < dense_losses[0])
     return record
 
