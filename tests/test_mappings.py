@@ -23,7 +23,6 @@ import os
 import numpy as np
 import pytest
 
-import _jobs
 from mindscience.distributed.group import ParallelGroup
 from mindscience.distributed.harness.checks import mappings as mchecks
 from mindscience.distributed.topology import Layout
@@ -50,7 +49,7 @@ UNEVEN_SPLITS = [[2, 1, 1, 1], [1, 1, 1, 0], [3, 0, 2, 1]]
 PLAN_KEYS_8 = PLAN_KEYS + ["tp-cp", "tp-dp-pp"]
 
 # Test-only check modules (tests/_*_checks.py), imported by the ranks with tests/ on their
-# PYTHONPATH (tests/_jobs.py puts it there).
+# PYTHONPATH (see _launch).
 SPEC_4 = {
     "layout": {"world_size": 4, "tp": 2, "cp": 2},
     "modules": ["_manager_checks", "_checkpoint_checks", "_checkpoint_resume_checks"],
@@ -157,7 +156,13 @@ SPEC_8 = {
 
 
 # ---------------------------------------------------------------------------- fixtures
-def _checked(result, world_size):
+def _launch(spec, world_size, tmp_path_factory, timeout):
+    from mindscience.distributed.harness import launch
+
+    log_dir = tmp_path_factory.mktemp(f"mappings_{world_size}ranks")
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, path) if p)}  # the spec's "modules"
+    result = launch(spec, world_size, timeout=timeout, log_dir=str(log_dir), env=env)
     assert result.ok, (
         f"the {world_size}-rank job failed (logs in {result.log_dir}):\n"
         + "\n".join(f"rank {f['rank']} {f['kind']}: {f['reason']}\n{f.get('log_tail', '')}"
@@ -182,22 +187,14 @@ class Records:
         return [x for recs in self.select(**match).values() for x in recs]
 
 
-# Each job runs in the session's shared launch of its size (tests/_jobs.py): the 8-rank one
-# with the 8-rank checks of test_optimizer.py and test_models.py when those files run too.
-_jobs.register("mappings4", SPEC_4, world_size=4, timeout=420, test_files=("test_mappings.py",),
-               paths=(HERE,))
-_jobs.register("mappings8", SPEC_8, world_size=8, timeout=900, test_files=("test_mappings.py",),
-               paths=(HERE,))
+@pytest.fixture(scope="module")
+def job4(tmp_path_factory):
+    return Records(_launch(SPEC_4, 4, tmp_path_factory, timeout=420), 4)
 
 
 @pytest.fixture(scope="module")
-def job4():
-    return Records(_checked(_jobs.run("mappings4"), 4), 4)
-
-
-@pytest.fixture(scope="module")
-def job8():
-    return Records(_checked(_jobs.run("mappings8"), 8), 8)
+def job8(tmp_path_factory):
+    return Records(_launch(SPEC_8, 8, tmp_path_factory, timeout=900), 8)
 
 
 def _assert_passed(records, what):
