@@ -361,6 +361,97 @@ def test_jit_step_of_four_layers_equals_pynative():
         assert err <= 1e-5
 
 
+def _dropout_step(cfg, mode, m=2):
+    ms.set_seed(7)  # the default stream of the dropouts (the weights come from seed=5)
+    loss, grads = _dense(cfg).forward_backward(*_batch(cfg, 4, seed=4), m, mode=mode)
+    return float(loss.asnumpy()), [g.asnumpy() for g in grads]
+
+
+def _max_rel(grads, ref):
+    return max(np.abs(g - r).max() / np.abs(r).max() for g, r in zip(grads, ref))
+
+
+@pytest.mark.parametrize("mode", ["pynative", "jit"])
+def test_dropout_is_seeded_and_replayed_by_full_recompute(mode):
+    """Dropout draws from the seeded stream (the same step twice is identical, and differs
+    from no dropout), and full recompute replays its masks: identical gradients. Measured
+    with Cell.recompute() (what the model used before random.recompute) in PyNative:
+    a new mask in the recomputed forward, gradients 1.2 (relative) off."""
+    cfg = TransformerConfig(**dict(GPT_SMALL, num_layers=4, dropout=0.2))
+    loss, grads = _dropout_step(cfg, mode)
+    again, grads_again = _dropout_step(cfg, mode)
+    plain, _ = _dropout_step(cfg.replace(dropout=0.0), mode)
+    recomputed, grads_rc = _dropout_step(cfg.replace(recompute="full"), mode)
+    assert again == loss and _max_rel(grads_again, grads) == 0.0
+    assert abs(plain - loss) > 1e-4
+    assert recomputed == loss and _max_rel(grads_rc, grads) == 0.0
+
+
+def test_dropout_masks_of_jit_and_pynative_agree_on_one_microbatch():
+    """Both draw each site's seeds in the same order from the same stream, so one
+    micro-batch gets the same masks (later ones differ: a compiled kernel advances its
+    own state)."""
+    cfg = TransformerConfig(**dict(GPT_SMALL, num_layers=2, dropout=0.2))
+    loss, grads = _dropout_step(cfg, "pynative", m=1)
+    compiled, grads_c = _dropout_step(cfg, "jit", m=1)
+    assert abs(compiled - loss) <= 1e-6 and _max_rel(grads_c, grads) <= 1e-5
+
+
+def test_dropout_draws_from_the_stream_its_activations_need():
+    """``Dropout(p, parallel=True)`` takes the tracker's model-parallel stream (what
+    ``ops.dropout`` inside ``fork()`` draws), ``parallel=False`` the default one; two
+    sites of one compiled graph, and two runs of it, draw different masks."""
+    from mindspore import nn, ops
+
+    from mindscience.distributed import random as msrandom
+    from mindscience.distributed.models.layers import Dropout
+
+    x = ms.Tensor(np.ones((256,), np.float32))
+    tracker = msrandom.get_rng_tracker()
+    saved = tracker.get_states()
+
+    def fresh():
+        ms.set_seed(5)
+        tracker.reset()
+        tracker.add(msrandom.MODEL_PARALLEL_RNG, 77)
+
+    def mask(t):
+        return t.asnumpy() > 0
+
+    try:
+        fresh()
+        forked = Dropout(0.5, True)
+        forked.set_train(True)
+        got = mask(forked(x))
+        fresh()
+        with tracker.fork():
+            want = mask(ops.dropout(x, p=0.5))
+        fresh()
+        default = mask(ops.dropout(x, p=0.5))
+        fresh()
+        plain = Dropout(0.5, False)
+        plain.set_train(True)
+        assert (got == want).all() and (got != default).any()
+        assert (mask(plain(x)) == default).all()
+
+        class Two(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = Dropout(0.5, True), Dropout(0.5, True)
+
+            def construct(self, y):
+                return self.a(y), self.b(y)
+
+        two = Two()
+        two.set_train(True)
+        run = ms.jit(two.construct)
+        a1, b1 = (mask(t) for t in run(x))
+        a2, _ = (mask(t) for t in run(x))
+        assert (a1 != b1).any() and (a1 != a2).any() and 0.3 < a1.mean() < 0.7
+    finally:
+        tracker.set_states(saved)
+
+
 def test_forward_backward_input_errors():
     cfg = TransformerConfig(**GPT_SMALL)
     model = _dense(cfg)
@@ -451,3 +542,25 @@ def test_bad_configs_raise_on_every_rank_before_any_collective(job):
     assert "num_query_groups=1" in msgs["groups"]
     assert "seq_length=18" in msgs["seq"]
     assert "ulysses" in msgs["ulysses"]
+
+
+# --------------------------------------------------------------------------- 8 ranks
+@pytest.mark.multiprocess
+def test_8ranks_tp2_pp2_dp2_matches_the_dense_model():
+    """tp2 x pp2 (1F1B, 2 micro-batches) x dp2, tied embedding: the loss and every gradient
+    within 1e-5 relative of the dense model's, in the session's 8-rank launch."""
+    import _models_job
+
+    result = _models_job.run_job8()
+    assert result.ok, _models_job.describe_failures(result)
+    recs = _models_job.records_of(result, "models.parity")
+    assert len(recs) == _models_job.WORLD_SIZE_8
+    for r in recs:
+        assert r["case"] == "1f1b_tp_dp" and r["layout"].startswith("tp2-cp1-dp2-pp2"), r["layout"]
+        assert r["loss_rel_err"] <= 1e-5, r
+        assert r["max_grad_rel_err"] <= 1e-5, (r["worst_param"], r["max_grad_rel_err"])
+        assert r["max_weight_err"] == 0.0 and r["passed"]
+        assert abs(r["loss"] - math.log(64)) < 0.5
+    assert {tuple(r["layer_indices"]) for r in recs} == {(0,), (1,)}
+    compared = set().union(*(r["compared"] for r in recs))
+    assert compared == set(recs[0]["dense_params"])

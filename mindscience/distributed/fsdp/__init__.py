@@ -63,7 +63,7 @@ mean of fully sharded parameters (their gradient already is that mean) and still
 sequence-parallel and tied-embedding gradients.
 """
 
-from .api import fully_shard, is_fully_sharded
+from .api import fully_shard, gather_in_calls, is_fully_sharded
 from .layout import (FsdpParamInfo, FullyShardError, full_param_numpy, shard_range, shard_rows,
                      shard_shape)
 
@@ -71,6 +71,7 @@ __all__ = [
     "FullyShardError",
     "FsdpParamInfo",
     "fully_shard",
+    "gather_in_calls",
     "is_fully_sharded",
     "shard_rows",
     "shard_range",

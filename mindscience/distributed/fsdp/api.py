@@ -7,12 +7,27 @@ import numpy as np
 from .gather import gather_class, install, recompute, runtime, sharded_class
 from .layout import FsdpParamInfo, FullyShardError, shard_range, shard_rows
 
-__all__ = ["fully_shard", "is_fully_sharded"]
+__all__ = ["fully_shard", "is_fully_sharded", "gather_in_calls"]
 
 
 def is_fully_sharded(obj) -> bool:
     """True for a Parameter sharded by :func:`fully_shard` or a cell it was applied to."""
     return getattr(obj, "fsdp", None) is not None or bool(getattr(obj, "_fsdp_root", False))
+
+
+def gather_in_calls(cell):
+    """Make a call of ``cell`` count as a call of a fully sharded cell (eagerly).
+
+    Eager reads of a sharded parameter gather it only while a fully sharded cell is being
+    called; a model that runs its parameters through cells that are not its children
+    (GPTModel's pipeline chunks, whose head reads the output layer's or the tied
+    embedding's weight without calling its owner) marks those cells, so that every read
+    inside them gets the full tensor, gathered once per parameter and outermost call.
+    Compiled code always gathers and is unchanged. Idempotent; returns ``cell``.
+    """
+    if not hasattr(type(cell), "_fsdp_attrs"):
+        cell.__class__ = sharded_class(type(cell), ())
+    return cell
 
 
 def _resolve_group(group):
@@ -158,8 +173,7 @@ def fully_shard(cell, group=None, *, reshard_after_forward: bool = False):
         install(sub, attrs, g)
         if reshard_after_forward and g.size > 1:
             recompute(sub)
-    if not hasattr(type(cell), "_fsdp_attrs"):
-        cell.__class__ = sharded_class(type(cell), ())
+    gather_in_calls(cell)
     object.__setattr__(cell, "_fsdp_root", True)
     return cell
 

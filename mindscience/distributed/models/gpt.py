@@ -40,12 +40,13 @@ from mindspore import nn, ops
 
 from .. import collectives as C
 from .. import mappings
+from .. import random as msrandom
 from ..costmodel.errors import ModelError
 from ..group import ParallelGroup
 from ..modules import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ..sharding import mark_sharding
 from .config import TransformerConfig
-from .layers import Init, Norm, TransformerLayer
+from .layers import Dropout, Init, Norm, TransformerLayer
 
 __all__ = ["GPTModel", "sequence_rows"]
 
@@ -104,15 +105,14 @@ class _Embedding(nn.Cell):
                 n = len(rows) // init.tp.size
                 mine = rows[init.tp.rank * n:(init.tp.rank + 1) * n]
             self.position_embeddings = _Positions(init, mine)
-        self.dropout = float(cfg.dropout)
+        # Sequence parallel: the embedding output is this tp rank's rows (the tp stream).
+        self.dropout = Dropout(cfg.dropout, init.sequence_parallel)
 
     def construct(self, ids):
         x = self.word_embeddings(ids)
         if self.learned:
             x = x + self.position_embeddings().astype(x.dtype)
-        if self.dropout > 0 and self.training:
-            x = ops.dropout(x, p=self.dropout)
-        return x
+        return self.dropout(x)
 
 
 class _OutputLayer(nn.Cell):
@@ -300,7 +300,8 @@ class GPTModel(nn.Cell):
         for i in self.layer_indices:
             layer = TransformerLayer(init, i, self.seq_rows, self.zigzag)
             if config.recompute == "full":
-                layer.recompute()
+                # Not layer.recompute(): its PyNative re-run would draw new dropout masks.
+                msrandom.recompute(layer)
             layers[i] = layer
         embedding = _Embedding(init, self.seq_rows) if holds_first else None
         final_norm = Norm(init, "final_norm") if holds_last else None
@@ -327,6 +328,19 @@ class GPTModel(nn.Cell):
             self.output_layer = output_layer
         object.__setattr__(self, "chunks", chunks)
         object.__setattr__(self, "loss_fn", _Loss(self.tp))
+        if config.dropout > 0:
+            self._seed_streams()
+            self.set_train(True)  # dropout is on while training (set_train(False) turns it off)
+
+    def _seed_streams(self):
+        """Give the tracker its model-parallel stream, unless ``random.model_parallel_seed``
+        did: seeded from the model's seed by the same rule (per tp rank and stage), so that
+        the sequence-parallel dropouts of this model draw different masks per tp rank."""
+        tracker = msrandom.get_rng_tracker()
+        if not self.init.sequence_parallel or msrandom.MODEL_PARALLEL_RNG in tracker.get_states():
+            return
+        seeds = msrandom.seeds_for(self.seed, tp_rank=self.tp.rank, pp_rank=self.pp.rank)
+        tracker.add(msrandom.MODEL_PARALLEL_RNG, seeds[msrandom.MODEL_PARALLEL_RNG])
 
     # ------------------------------------------------------------------ data
     def shard_batch(self, ids):
@@ -369,6 +383,15 @@ class GPTModel(nn.Cell):
         xs = [ms.Tensor(a) for a in np.split(ids, m, axis=1)]
         ts = [ms.Tensor(a) for a in np.split(tgt, m, axis=1)]
         params = self.trainable_params()
+        if any(getattr(p, "fsdp", None) is not None for p in params):
+            from ..fsdp import gather_in_calls
+
+            # Under fully_shard the chunks run the model's parameters without calling
+            # the model; the head reads the output layer's (or the tied embedding's)
+            # weight without calling its owner: eagerly, only a call of a sharded cell
+            # makes such a read gather, so each chunk counts as one.
+            for chunk in self.chunks:
+                gather_in_calls(chunk)
         if self.pp.size == 1:
             loss, grads = self._accumulate(xs, ts, mode)
         else:

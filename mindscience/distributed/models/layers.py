@@ -17,16 +17,26 @@ model.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 import mindspore as ms
 from mindspore import nn, ops
+from mindspore.ops import operations as P
+from mindspore.ops.primitive import constexpr
 
 from ..modules import ColumnParallelLinear, RowParallelLinear, context_parallel_attention
+from ..random import get_rng_tracker
 from ..sharding import mark_sharding
 from .weights import draw, tp_slice
 
-__all__ = ["Norm", "SelfAttention", "MLP", "TransformerLayer", "rope_tables", "Init"]
+__all__ = ["Norm", "SelfAttention", "MLP", "TransformerLayer", "rope_tables", "Init", "Dropout"]
+
+# What ops.dropout draws its seeds with (private MindSpore functions, used in one place).
+_SEED = importlib.import_module("mindspore.common.seed")
+_RANDOM_FUNC = importlib.import_module("mindspore.ops.function.random_func")
+_FORBID_REUSE = importlib.import_module("mindspore.graph.api")._function_forbid_reuse
 
 
 class Init:
@@ -70,6 +80,59 @@ class Init:
             if layer.bias is not None:
                 mark_sharding(layer.bias, axis="tp", partition_dim=0, partition_stride=stride)
         return layer
+
+
+@constexpr(reuse_result=False)
+def _dropout_seeds(parallel):
+    """The ``(seed0, seed1)`` of the next dropout, drawn as ``ops.dropout`` draws them, from
+    the tracker's model-parallel stream (``parallel``) or the default one.
+
+    A constexpr: eagerly it runs at every call (each call a new mask, replayed by
+    ``random.recompute``); in compiled code once per call site at trace time, the kernel
+    then advancing its own state at every run. No ``with`` statement reaches the graph.
+    """
+    if parallel:
+        with get_rng_tracker().fork():
+            return _SEED._get_graph_seed(None, "dropout")
+    return _SEED._get_graph_seed(None, "dropout")
+
+
+@_FORBID_REUSE
+def _dropout(x, keep_prob, parallel):
+    # ops.dropout's body with the seeds from the chosen stream; forbid_reuse (as
+    # ops.dropout) gives every call site of a graph its own seeds.
+    seed0, seed1 = _dropout_seeds(parallel)
+    op = P.Dropout(keep_prob=keep_prob, Seed0=seed0, Seed1=seed1)
+    op = _RANDOM_FUNC._set_prim_op_user_data(op, "random_cache", False)
+    out, _ = op(x)
+    return out
+
+
+class Dropout(nn.Cell):
+    """Dropout on the random stream its activations need (Megatron's rule).
+
+    Activations split over tp (sequence parallelism: each tp rank holds other rows) draw
+    from the model-parallel stream (``random.get_rng_tracker().fork()``), so the tp
+    ranks drop independently; activations every tp rank holds alike draw from the
+    default stream, the same mask on every tp rank (the copies stay equal). Active
+    while ``self.training``; under ``random.recompute`` the recomputed forward draws the
+    same masks in PyNative, and compiled recompute re-runs the traced kernels.
+
+    Args:
+        p: Drop probability in ``[0, 1)``.
+        parallel: The activations are split over tp (draw from the model-parallel stream).
+    """
+
+    def __init__(self, p: float, parallel: bool):
+        super().__init__()
+        self.keep_prob = 1.0 - float(p)
+        self.active = float(p) > 0.0
+        self.parallel = bool(parallel)
+
+    def construct(self, x):
+        if self.active and self.training:
+            return _dropout(x, self.keep_prob, self.parallel)
+        return x
 
 
 class Norm(nn.Cell):
@@ -212,15 +275,13 @@ class TransformerLayer(nn.Cell):
         self.attention = SelfAttention(init, prefix + ".attention", positions, load_balance)
         self.post_attention_norm = Norm(init, prefix + ".post_attention_norm")
         self.mlp = MLP(init, prefix + ".mlp")
-        self.dropout = float(init.config.dropout)
+        # The outputs of the row-parallel projections: this rank's rows under sequence
+        # parallelism (the tp stream), else the same on every tp rank (the default one).
+        self.attention_dropout = Dropout(init.config.dropout, init.sequence_parallel)
+        self.mlp_dropout = Dropout(init.config.dropout, init.sequence_parallel)
         if init.config.recompute == "selective":
             self.attention.core.recompute()
 
-    def _drop(self, x):
-        if self.dropout > 0 and self.training:
-            return ops.dropout(x, p=self.dropout)
-        return x
-
     def construct(self, x):
-        x = x + self._drop(self.attention(self.input_norm(x)))
-        return x + self._drop(self.mlp(self.post_attention_norm(x)))
+        x = x + self.attention_dropout(self.attention(self.input_norm(x)))
+        return x + self.mlp_dropout(self.mlp(self.post_attention_norm(x)))
