@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, default=None, help="override the model's seq_length")
     parser.add_argument("--only", default=None, help="dev runs: 'tp,cp,pp;...' layouts to keep")
     parser.add_argument("--timeout", type=float, default=1500.0)
+    parser.add_argument("--deadline", help="HH:MM UTC the training launch must end by (shortens --timeout; "
+                                           "the layouts finished by then are kept)")
     parser.add_argument("--report", help="reuse a verify report instead of running msdist verify")
     parser.add_argument("--output", help="write the rows, fit and calibration as JSON here")
     parser.add_argument("--reprice", help="a previous --output: price its measured layouts again (no launch)")
@@ -254,6 +256,9 @@ def main(argv=None) -> int:
     flags = dict(steps=args.steps, mode=args.mode, micro_batch_size=args.micro_batch_size,
                  global_batch_size=args.global_batch_size)
     cases, skipped = layouts(workload, flags)
+    # Cheap layouts first: context parallelism (the ring) costs most here, so a launch cut
+    # off by --deadline keeps as many layouts as it can.
+    cases.sort(key=lambda c: (c[0].cp, c[0].tp, c[0].pp))
     if args.only:
         wanted = {tuple(int(x) for x in part.split(",")) for part in args.only.split(";")}
         cases = [c for c in cases if (c[0].tp, c[0].cp, c[0].pp) in wanted]
@@ -276,9 +281,17 @@ def main(argv=None) -> int:
               for lay, run, opts in cases]
     spec = {"layout": {"world_size": WORLD, "tp": 1, "cp": 1}, "checks": checks,
             "modules": ["validate_train_checks"]}
+    timeout = args.timeout
+    if args.deadline:
+        hour, minute = (int(x) for x in args.deadline.split(":"))
+        now = time.gmtime()
+        timeout = min(timeout, (hour - now.tm_hour) * 3600 + (minute - now.tm_min) * 60 - now.tm_sec)
+        if timeout < 60:
+            print(f"--deadline {args.deadline}: {timeout:.0f} s left, too little for a launch.", file=sys.stderr)
+            return 1
     load_before = _loadavg()
     with LoadSampler() as sampler:
-        result, wall = launch_partial(spec, args.timeout)
+        result, wall = launch_partial(spec, timeout)
     load_after = _loadavg()
     run = {"started": started, "wall_s": wall, "load_before": load_before, "load_after": load_after,
            "load_samples": sampler.samples}

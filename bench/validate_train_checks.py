@@ -49,9 +49,11 @@ def train_layout(ctx: CheckContext, tp: int, cp: int, pp: int, model: dict, trai
             row = trainer.train_step(k)
             times.append(row["time_s"])
             losses.append(row["loss"])
-    except (RuntimeError, TypeError, ValueError, NameError) as err:
+    except (TypeError, NameError) as err:
         # A layout the mode cannot build yet (a graph that does not compile raises on every
-        # rank of the stage before any transfer): recorded, and the next layout runs.
+        # rank of the stage before any transfer): recorded, and the next layout runs. A
+        # failed collective (RuntimeError) is not caught: after one, later collectives fall
+        # out of step across ranks (measured), so the launch stops there.
         record.update(error=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}", passed=True)
         return record
     record.update(times_s=times, losses=losses, build_s=build, microbatches=trainer.num_microbatches,
