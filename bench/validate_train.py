@@ -324,7 +324,7 @@ def summarize(args, command: str, cases: list, skipped: list, measured: dict, re
 
     _, sources = calibrate(ClusterSpec(device="cpu"), read_report(report_path), report_path.name)
     errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
-    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]) if len(rows) > 1 else float("nan")
     fit = term_fit(rows) if len(rows) > 2 else None
     fit_passes = term_fit(rows, "layer_passes") if len(rows) > 3 else None
     loads = run["load_samples"]
