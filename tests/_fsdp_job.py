@@ -18,12 +18,13 @@ import sys
 
 WORLD_SIZE = 4
 # Measured 360 s of checks (399 s in all) with the machine at load average ~45 (other
-# jobs); 88 s of checks (100 s in all) at load average ~2 (2026-12-05).
-TIMEOUT_S = 600
+# jobs); 88 s of checks (100 s in all) at load average ~2 (2026-12-05). fsdp.gpt adds
+# several minutes under load (its 6 runs of 3 steps alone took 1,297 s at load 20-35).
+TIMEOUT_S = 1500
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SPEC = {
-    "modules": ["_fsdp_checks"],
+    "modules": ["_fsdp_checks", "_fsdp_gpt_checks"],
     "checks": [
         {"name": "fsdp.parity", "params": {"tp": 1, "modes": ["pynative", "jit"],
                                            "reshard": [False, True]}},
@@ -34,6 +35,10 @@ SPEC = {
         {"name": "fsdp.pipeline", "params": {"schedules": ["1f1b", "gpipe"],
                                              "modes": ["pynative"]}},
         {"name": "fsdp.pipeline", "params": {"schedules": ["1f1b"], "modes": ["jit"]}},
+        # GPTModel (tied head) at ZeRO 3 vs 0: every layout once, each mode at dp4
+        {"name": "fsdp.gpt", "params": {"steps": 2, "layouts": [
+            {"tp": 1, "modes": ["pynative", "jit"]}, {"tp": 2, "modes": ["pynative"]},
+            {"tp": 1, "pp": 2, "modes": ["jit"]}]}},
     ],
 }
 

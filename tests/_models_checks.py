@@ -160,3 +160,86 @@ def _errors(manager) -> list:
 def errors(ctx: CheckContext, layout=None) -> list:
     """Bad configs at ``layout`` raise a typed error on every rank, no collective started."""
     return under_layout(ctx, layout, _errors)
+
+
+def _dropout_step(cfg, ids, labels, mode, seed):
+    """One step with every stream seeded alike (``random.model_parallel_seed``)."""
+    from mindscience.distributed import random as msrandom
+    from mindscience.distributed.models import GPTModel
+
+    msrandom.model_parallel_seed(11)
+    model = GPTModel(cfg, seed=seed)
+    loss, grads = model.forward_backward(ids, labels, num_microbatches=1, mode=mode)
+    return model, loss, grads
+
+
+def _masks_over_tp(tp, parallel: bool):
+    """Do the tp ranks draw different masks from ``Dropout(0.5, parallel)``?"""
+    import mindspore as ms
+
+    from mindscience.distributed import collectives as C
+    from mindscience.distributed import random as msrandom
+    from mindscience.distributed.models.layers import Dropout
+
+    msrandom.model_parallel_seed(11)
+    drop = Dropout(0.5, parallel)
+    drop.set_train(True)
+    mask = (drop(ms.Tensor(np.ones((1, 256), np.float32))).asnumpy() > 0).astype(np.float32)
+    every = C.all_gather(ms.Tensor(mask), tp, dim=0).asnumpy()
+    return bool((every != every[:1]).any())
+
+
+def _dropout(manager, modes, seed) -> list:
+    from mindscience.distributed import collectives as C
+    from mindscience.distributed import random as msrandom
+    from mindscience.distributed.finalize import GradientFinalizer
+    from mindscience.distributed.models import GPTModel
+
+    dp, tp = manager.get_data_parallel_group(), manager.get_tensor_parallel_group()
+    out = []
+    for sp in (True, False):
+        cfg = small_config("tiny-gpt", dropout=0.2, sequence_parallel=sp)
+        ids, labels = global_batch(cfg, dp.size * MICRO_BATCH, seed)
+        mine = slice(dp.rank * MICRO_BATCH, (dp.rank + 1) * MICRO_BATCH)
+        for mode in (modes if sp else ("pynative",)):
+            started = time.perf_counter()
+            model, loss, grads = _dropout_step(cfg, ids[mine], labels[mine], mode, seed)
+            _, loss_rc, grads_rc = _dropout_step(cfg.replace(recompute="full"), ids[mine],
+                                                 labels[mine], mode, seed)
+            recompute_err = max(float(np.max(np.abs(a.asnumpy() - b.asnumpy())))
+                                for a, b in zip(grads_rc, grads))
+            record = {"check": "models.dropout", "group": "world", "sequence_parallel": sp,
+                      "mode": mode, "loss": float(loss.asnumpy()),
+                      "loss_recompute": float(loss_rc.asnumpy()), "recompute_grad_max_diff": recompute_err,
+                      "tp_masks_differ": _masks_over_tp(tp, sp)}
+            ok = recompute_err == 0.0 and record["loss"] == record["loss_recompute"]
+            ok = ok and record["tp_masks_differ"] == (sp and tp.size > 1)
+            if not sp:
+                # Replicated activations draw the default stream: the same masks as the
+                # dense model on this dp rank's rows, hence its loss and gradients.
+                msrandom.model_parallel_seed(11)
+                dense = GPTModel(cfg, seed=seed, parallel=False)
+                d_loss, d_grads = dense.forward_backward(ids[mine], labels[mine], num_microbatches=1,
+                                                         mode="pynative")
+                params = model.trainable_params()
+                finalized = GradientFinalizer(params)(tuple(grads))
+                want = {p.name: (p, C.all_reduce(g, dp).asnumpy() / dp.size)
+                        for p, g in zip(dense.trainable_params(), d_grads)}
+                errs = [_rel(gather_global(p, g.asnumpy(), tuple(want[p.name][0].shape), tp), want[p.name][1])
+                        for p, g in zip(params, finalized)]
+                record["dense_loss"] = float(d_loss.asnumpy())
+                record["loss_rel_err"] = abs(record["loss"] - record["dense_loss"]) / abs(record["dense_loss"])
+                record["max_grad_rel_err"] = max(errs)
+                ok = ok and record["loss_rel_err"] <= 1e-5 and record["max_grad_rel_err"] <= 1e-5
+            record["seconds"] = round(time.perf_counter() - started, 1)
+            record["passed"] = bool(ok)
+            out.append(record)
+    return out
+
+
+@check("models.dropout")
+def dropout(ctx: CheckContext, layout=None, modes=("pynative", "jit"), seed: int = 3) -> list:
+    """Dropout at ``layout`` (tp2): full recompute gives the same gradients (sequence
+    parallel: PyNative and jit); sequence-parallel masks differ over tp, replicated ones
+    do not and equal the dense model's (its loss and gradients on this dp rank's rows)."""
+    return under_layout(ctx, layout, lambda manager: _dropout(manager, modes, seed))

@@ -55,6 +55,8 @@ SPEC = {
         # tp2 x dp2, sequence parallel, full recompute
         _parity({"tp": 2},
                 _case("sequence_parallel", GPT, microbatches=2, recompute="full")),
+        # tp2 x dp2, dropout: the tracker's streams, full recompute replays the masks
+        {"name": "models.dropout", "params": {"layout": {"tp": 2}}},
     ],
 }
 

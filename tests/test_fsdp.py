@@ -314,3 +314,18 @@ def test_bfloat16_parameters_pynative_and_jit(job):
         assert r["loss_error"] <= 1e-6 and r["max_error"] <= 2.0 ** -8, r
         assert r["pad_grad"] == 0.0
         assert r["shard_shapes"]["fc1.weight"] == [4, 9]  # 14 rows over dp4: 2 pad rows
+
+
+@pytest.mark.multiprocess
+def test_gpt_model_at_zero3_trains_like_zero0(job):
+    """GPTModel (tied embedding and head, padded shards) with fully_shard + stage 3: the
+    same losses and weights as stage 0 (before the fix the head read its 1/d shard)."""
+    records = _records(job, "fsdp.gpt", 16)
+    assert {(r["group"], r["mode"]) for r in records} == {
+        ("tp1-dp4-pp1", "pynative"), ("tp1-dp4-pp1", "jit"), ("tp2-dp2-pp1", "pynative"),
+        ("tp1-dp2-pp2", "jit")}
+    for r in records:
+        assert r["names_same"], r
+        assert r["loss_error"] <= 1e-5 and r["max_error"] <= 1e-5, r
+        assert len(r["losses"]) == 2 and r["losses"][1] < r["losses"][0], r
+        assert r["passed"], r

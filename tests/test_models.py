@@ -546,6 +546,23 @@ def test_bad_configs_raise_on_every_rank_before_any_collective(job):
 
 # --------------------------------------------------------------------------- 8 ranks
 @pytest.mark.multiprocess
+def test_dropout_at_tp2_draws_the_right_streams_and_recompute_replays_them(job):
+    recs = _records(job, "models.dropout")
+    # per rank: sequence parallel in PyNative and jit, replicated in PyNative
+    assert len(recs) == 4 * 3
+    for r in recs:
+        assert r["layout"].startswith("tp2-cp1-dp2"), r["layout"]
+        assert r["recompute_grad_max_diff"] == 0.0 and r["loss"] == r["loss_recompute"], r
+        # sequence-parallel rows: other masks on each tp rank; replicated: the same
+        assert r["tp_masks_differ"] == r["sequence_parallel"], r
+        if not r["sequence_parallel"]:
+            assert r["loss_rel_err"] <= 1e-5 and r["max_grad_rel_err"] <= 1e-5, r
+        assert r["passed"], r
+    assert {(r["sequence_parallel"], r["mode"]) for r in recs} == {
+        (True, "pynative"), (True, "jit"), (False, "pynative")}
+
+
+@pytest.mark.multiprocess
 def test_8ranks_tp2_pp2_dp2_matches_the_dense_model():
     """tp2 x pp2 (1F1B, 2 micro-batches) x dp2, tied embedding: the loss and every gradient
     within 1e-5 relative of the dense model's, in the session's 8-rank launch."""
