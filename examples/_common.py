@@ -84,6 +84,19 @@ def layout_label() -> str:
     return " x ".join(f"{k}{v}" for k, v in sizes.items())
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``--steps 0`` is refused with the value and the fix)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer >= 1")
+    return value
+
+
 def numel(net) -> int:
     """How many parameter values ``net`` holds in this process (its shards at a layout)."""
     return sum(int(np.prod(p.shape)) for p in net.trainable_params())

@@ -39,6 +39,8 @@ def run(steps: int = 3, schedules=("1f1b", "interleaved"), mode: str = "jit", mi
     record: the loss curves and their largest relative gap from the dense model's; it passes
     when the gap is within ``rtol`` and the dense loss fell.
     """
+    if steps < 1:
+        raise ValueError(f"steps={steps} is invalid: expected an integer >= 1.")
     dp = C.dp_group()
     errors, curves, fell = {}, {}, True
     for schedule in schedules:
@@ -75,11 +77,12 @@ def run(steps: int = 3, schedules=("1f1b", "interleaved"), mode: str = "jit", mi
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--schedules", default="1f1b,interleaved", help="comma-separated: 1f1b, gpipe, interleaved")
+    parser.add_argument("--tp", type=C.positive_int, default=2)
+    parser.add_argument("--pp", type=C.positive_int, default=2)
+    parser.add_argument("--schedules", default="1f1b,interleaved",
+                        help="comma-separated: 1f1b, gpipe, interleaved")
     parser.add_argument("--mode", default="jit", choices=("jit", "pynative"))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=C.positive_int, default=3)
     args = parser.parse_args(argv)
     C.setup(*((args.tp, 1, args.pp) if C.launched_by_msrun() else (1, 1, 1)))  # one process: dense
     schedules = tuple(s for s in args.schedules.split(",") if s)

@@ -43,6 +43,8 @@ def run(steps: int = 3, method: str = "ulysses", mode: str = "jit", rows: int = 
     dense = GPTModel(cfg, seed=seed, parallel=False)    # the whole model, the same weights
     optimizer = DistributedOptimizer(model.trainable_params(), optimizer="sgd", lr=lr, momentum=0.9)
     dense_optimizer = nn.SGD(dense.trainable_params(), learning_rate=lr, momentum=0.9)
+    if steps < 1:
+        raise ValueError(f"steps={steps} is invalid: expected an integer >= 1.")
     dp = C.dp_group()
     rng = np.random.default_rng(seed)
     losses, dense_losses = [], []
@@ -67,11 +69,11 @@ def run(steps: int = 3, method: str = "ulysses", mode: str = "jit", rows: int = 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--tp", type=C.positive_int, default=2)
+    parser.add_argument("--cp", type=C.positive_int, default=2)
     parser.add_argument("--method", default="ulysses", choices=("ring", "ulysses", "allgather_kv"))
     parser.add_argument("--mode", default="jit", choices=("jit", "pynative"))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=C.positive_int, default=3)
     args = parser.parse_args(argv)
     C.setup(*((args.tp, args.cp) if C.launched_by_msrun() else (1, 1)))  # one process: dense
     return C.report(run(steps=args.steps, method=args.method, mode=args.mode))
