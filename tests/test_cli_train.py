@@ -1,6 +1,7 @@
-"""``msdist train``: errors before any rank starts, the report with the launcher patched, and
-end to end on CPU ranks (losses at tp2 x pp2, tp2 x dp2, cp2 x dp2 equal the 1-rank run's;
-save, ``msdist checkpoint reshard``, resume at another layout)."""
+"""``msdist train``: errors before any rank starts, the report and the live step lines with the
+launcher patched, and end to end on CPU ranks (losses at tp2 x dp2 with ZeRO stage 3, tp2 x pp2,
+cp2 x dp2 equal the 1-rank run's; save, ``msdist checkpoint reshard``, resume at another layout
+and stage)."""
 
 import json
 import os
@@ -320,43 +321,75 @@ def losses(report):
     return [s["loss"] for s in report["steps"]]
 
 
+def resume_here(directory, steps, model="tiny-gpt", zero_stage=0):
+    """Resume ``directory`` in this process (one rank, every group of size 1, tp = pp = 1)
+    and train ``steps`` steps: ``(trainer, losses)``."""
+    import mindspore as ms
+
+    from mindscience.distributed.topology.layout import Layout
+    from mindscience.distributed.training.loop import Trainer
+    from mscli.commands.train import model_and_options
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    workload, opts = model_and_options(Layout(world_size=1), model, steps=steps, zero_stage=zero_stage, mode=MODE)
+    trainer = Trainer(workload.model, workload.training, opts)
+    trainer.resume(str(directory))
+    return trainer, [trainer.train_step(k)["loss"] for k in trainer.remaining_steps()]
+
+
 @pytest.mark.multiprocess
 def test_layouts_match_the_one_rank_run_and_resume_after_reshard(tmp_path):
-    """Five launches: tiny-gpt at 1 rank and tp2 x pp2 (saving), resharded offline and
-    resumed at tp2 x dp2; tiny-llama at 1 rank and cp2 x dp2."""
+    """Five launches: tiny-gpt at 1 rank, at tp2 x dp2 with ZeRO stage 3 (saving), its
+    checkpoint resharded offline and resumed at tp2 x pp2 with stage 1 (saving), that one
+    resumed in this process at one rank with stage 0; tiny-llama at 1 rank and cp2 x dp2.
+
+    So a stage-3 checkpoint (weights and AdamW moments as dim-0 shards over dp = 2)
+    continues at another stage and layout, the tied output layer that pp = 1 does not
+    have is set from the embedding at pp = 2, and a pp = 2 checkpoint (which has it)
+    resumes at pp = 1: every loss is the one-rank run's."""
     started = time.perf_counter()
     one = layout_file(tmp_path, "one", 1)
     tp2pp2 = layout_file(tmp_path, "tp2pp2", 4, tp=2, pp=2)
     tp2dp2 = layout_file(tmp_path, "tp2dp2", 4, tp=2)
     cp2dp2 = layout_file(tmp_path, "cp2dp2", 4, cp=2)
     steps = 4
-    dense = run_json(tmp_path / "logs1", one, "--model", "tiny-gpt", "--steps", steps)
+    dense = run_json(tmp_path / "logs1", one, "--model", "tiny-gpt", "--steps", steps + 1)
     want = losses(dense)
-    assert len(want) == steps and len(set(want)) == steps
+    assert len(want) == steps + 1 and len(set(want)) == steps + 1
 
     ckpt = tmp_path / "ckpt"
-    piped = run_json(tmp_path / "logs2", tp2pp2, "--model", "tiny-gpt", "--steps", steps, "--save", ckpt,
-                     "--save-every", 2)
-    np.testing.assert_allclose(losses(piped), want, rtol=1e-5)
+    sharded = run_json(tmp_path / "logs2", tp2dp2, "--model", "tiny-gpt", "--steps", steps, "--zero-stage", 3,
+                       "--save", ckpt, "--save-every", 2)
+    np.testing.assert_allclose(losses(sharded), want[:steps], rtol=1e-5)
     assert sorted(os.listdir(ckpt)) == ["step_2", "step_4"]
-    assert [m["stage"] for m in piped["measured"]["memory"]] == [0, 1]
+    manifest = json.loads((ckpt / "step_2" / "manifest.json").read_text())
+    assert [(o["kind"], o["zero_stage"], o["group_size"]) for o in manifest["optimizers"]] == [("adamw", 3, 2)]
+    assert manifest["extra"]["data_position"] == 2 * 8
 
     # a checkpoint of another model is refused before any rank starts
     refused = invoke(tp2dp2, "--model", "tiny-llama", "--resume", ckpt)
     assert refused.exit_code == 2 and "model.num_query_groups is 4 in the checkpoint, 2 here" in refused.stderr
 
-    moved = tmp_path / "step_2_tp2dp2"
-    reshard = runner.invoke(app, ["checkpoint", "reshard", str(ckpt / "step_2"), str(moved), "--to", tp2dp2])
+    moved = tmp_path / "step_2_tp2pp2"
+    reshard = runner.invoke(app, ["checkpoint", "reshard", str(ckpt / "step_2"), str(moved), "--to", tp2pp2])
     assert reshard.exit_code == 0, reshard.output
-    resumed = run_json(tmp_path / "logs3", tp2dp2, "--model", "tiny-gpt", "--steps", 2, "--resume", moved)
-    assert [s["step"] for s in resumed["steps"]] == [3, 4]
-    np.testing.assert_allclose(losses(resumed), want[2:], rtol=1e-5)
-    assert resumed["resumed"]["step"] == 2
+    piped_ckpt = tmp_path / "ckpt_pp2"
+    piped = run_json(tmp_path / "logs3", tp2pp2, "--model", "tiny-gpt", "--steps", 2, "--zero-stage", 1,
+                     "--resume", moved, "--save", piped_ckpt)
+    assert [s["step"] for s in piped["steps"]] == [3, 4] and piped["resumed"]["step"] == 2
+    np.testing.assert_allclose(losses(piped), want[2:steps], rtol=1e-5)
+    assert [m["stage"] for m in piped["measured"]["memory"]] == [0, 1]
+    saved = json.loads((piped_ckpt / "step_4" / "manifest.json").read_text())["parameters"]
+    assert "0.output_layer.weight" in saved  # pp = 2 holds the tied copy
+
+    trainer, here = resume_here(piped_ckpt / "step_4", 1)
+    assert trainer.first_step == steps and int(trainer.optimizer.step.asnumpy()) == steps + 1
+    np.testing.assert_allclose(here, want[steps:], rtol=1e-5)
 
     llama = losses(run_json(tmp_path / "logs4", one, "--model", "tiny-llama", "--steps", 2))
     context = run_json(tmp_path / "logs5", cp2dp2, "--model", "tiny-llama", "--steps", 2)
     np.testing.assert_allclose(losses(context), llama, rtol=1e-5)
-    print(f"\n5 msdist train launches took {time.perf_counter() - started:.1f} s")
+    print(f"\n5 msdist train launches and a resume in this process took {time.perf_counter() - started:.1f} s")
 
 
 def test_verify_model_adds_the_dense_comparison(tmp_path, monkeypatch):
