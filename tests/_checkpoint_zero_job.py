@@ -8,8 +8,9 @@ workers through ``spec["modules"]`` with tests/ on their PYTHONPATH.
 
 from __future__ import annotations
 
-import functools
 import os
+
+import _jobs
 
 WORLD_SIZE = 4
 TIMEOUT_S = 300
@@ -26,13 +27,13 @@ SPEC = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def run_job():
-    """Launch the battery once per session; returns the harness LaunchResult."""
-    from mindscience.distributed.harness import launch
+_jobs.register("checkpoint_zero", SPEC, world_size=WORLD_SIZE, timeout=TIMEOUT_S,
+               test_files=("test_checkpoint_zero.py",), paths=(HERE,))
 
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)}
-    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=env)
+
+def run_job():
+    """This family's part of the session's shared launch (``_jobs.py``), a LaunchResult."""
+    return _jobs.run("checkpoint_zero")
 
 
 def describe_failures(result) -> str:

@@ -11,10 +11,11 @@ the "fsdp.bench" check the same way, see docs/BENCHMARKS.md, "`fully_shard` (ZeR
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
+
+import _jobs
 
 WORLD_SIZE = 4
 # Measured 360 s of checks (399 s in all) with the machine at load average ~45 (other
@@ -48,12 +49,13 @@ def _env():
     return {"PYTHONPATH": HERE + (os.pathsep + path if path else "")}
 
 
-@functools.lru_cache(maxsize=None)
-def run_job():
-    """Launch the battery once per session; returns the harness LaunchResult."""
-    from mindscience.distributed.harness import launch
+_jobs.register("fsdp", SPEC, world_size=WORLD_SIZE, timeout=TIMEOUT_S,
+               test_files=("test_fsdp.py",), paths=(HERE,))
 
-    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=_env())
+
+def run_job():
+    """This family's part of the session's shared launch (``_jobs.py``), a LaunchResult."""
+    return _jobs.run("fsdp")
 
 
 def run_spec(spec, timeout=TIMEOUT_S):

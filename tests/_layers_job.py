@@ -8,8 +8,9 @@ attention examples). The result is cached for the whole pytest session.
 
 from __future__ import annotations
 
-import functools
 import os
+
+import _jobs
 
 WORLD_SIZE = 4
 # 240 s before the uneven cases; they added ~12 s (+15%) to a ~76 s run (measured without
@@ -89,14 +90,13 @@ SPEC = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def run_job():
-    """Launch the battery once per session; returns the harness LaunchResult."""
-    from mindscience.distributed.harness import launch
+_jobs.register("layers", SPEC, world_size=WORLD_SIZE, timeout=TIMEOUT_S,
+               test_files=("test_layers.py", "test_examples.py"), paths=(HERE,))
 
-    path = os.environ.get("PYTHONPATH", "")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, path) if p)}
-    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=env)
+
+def run_job():
+    """This family's part of the session's shared launch (``_jobs.py``), a LaunchResult."""
+    return _jobs.run("layers")
 
 
 def describe_failures(result) -> str:

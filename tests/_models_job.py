@@ -5,13 +5,15 @@ through ``spec["modules"]`` with tests/ on their PYTHONPATH. Cases are grouped b
 so the parallel groups are re-created only when it changes. Every feature meets
 PyNative, and each of ring attention, grouped-query attention with RoPE and SwiGLU,
 1F1B and the unequal stages also meets ``mode="jit"`` once (compiling costs seconds per
-graph on 2 cores). tp2 x pp2 x dp2 (8 ranks) is shown at 4 as tp2 x pp2 and pp2 x dp2.
+graph on 2 cores). tp2 x pp2 x dp2 runs at 8 ranks (SPEC_8), in the session's 8-rank
+launch with tests/test_mappings.py's checks when both files run (``_jobs.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import os
+
+import _jobs
 
 WORLD_SIZE = 4
 # Measured 2026-12-05 on the shared 2-core machine under a load average of 20-30 (other
@@ -61,13 +63,31 @@ SPEC = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def run_job():
-    """Launch the battery once per session; returns the harness LaunchResult."""
-    from mindscience.distributed.harness import launch
+# tp2 x pp2 (1F1B) x dp2, the tied embedding (its gradient summed over the embedding group,
+# then averaged over dp): PyNative (ms.jit meets the pipeline in the 4-rank 1f1b_tp case).
+WORLD_SIZE_8 = 8
+TIMEOUT_8_S = 300
+SPEC_8 = {
+    "modules": ["_models_checks"],
+    "layout": {"world_size": WORLD_SIZE_8},
+    "checks": [_parity({"tp": 2, "pp": 2},
+                       _case("1f1b_tp_dp", GPT, microbatches=2, schedule="1f1b"))],
+}
 
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)}
-    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=env)
+_jobs.register("models", SPEC, world_size=WORLD_SIZE, timeout=TIMEOUT_S,
+               test_files=("test_models.py",), paths=(HERE,))
+_jobs.register("models8", SPEC_8, world_size=WORLD_SIZE_8, timeout=TIMEOUT_8_S,
+               test_files=("test_models.py",), paths=(HERE,))
+
+
+def run_job():
+    """This family's part of the session's shared launch (``_jobs.py``), a LaunchResult."""
+    return _jobs.run("models")
+
+
+def run_job8():
+    """The 8-rank case's part of the session's shared 8-rank launch, a LaunchResult."""
+    return _jobs.run("models8")
 
 
 def describe_failures(result) -> str:

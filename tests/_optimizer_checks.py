@@ -135,8 +135,8 @@ class _Run:
     def local(self, x):
         return np.split(x, self.dp.size, axis=1)[self.dp.rank]
 
-    def grads(self, ids, tgt, grad_fn):
-        """(loss of this dp rank, raw gradients)."""
+    def grads(self, ids, tgt, grad_fn, mode="pynative"):
+        """(loss of this dp rank, raw gradients); ``mode`` is the pipeline's (pp > 1)."""
         import mindspore as ms
 
         from mindscience.distributed.pipeline import forward_backward
@@ -146,7 +146,35 @@ class _Run:
         m = self.microbatches
         xs = [ms.Tensor(a) for a in np.split(self.local(ids), m, axis=1)]
         ys = [ms.Tensor(a) for a in np.split(self.local(tgt), m, axis=1)]
-        return forward_backward(self.stage, xs, ys, self.loss_fn, schedule="1f1b")
+        return forward_backward(self.stage, xs, ys, self.loss_fn, schedule="1f1b", mode=mode)
+
+    def compile_stage(self, ids, tgt) -> None:
+        """Compile this stage's forward and backward (the last stage's with the loss) on
+        zeros, before the pipeline runs (pp > 1, ``mode="jit"``).
+
+        Compiled at its first call inside the schedule, a stage keeps its neighbour
+        waiting in a transfer for as long as that takes, and MindSpore's CPU collectives
+        give up on a long wait (measured here, 8 ranks at load ~70: "AllGather failed" in
+        the first header exchange). Only the stage's own tp and dp peers, which do the
+        same, take part in its collectives; the pipeline then finds the functions cached
+        on the stage (GPTModel does the same before its compiled pipeline step).
+        """
+        import mindspore as ms
+        from mindspore import ops
+
+        from mindscience.distributed.pipeline.stage_fns import stage_fns
+
+        first, last = self.pp.rank == 0, self.pp.rank == self.pp.size - 1
+        x = ms.Tensor(np.split(self.local(ids), self.microbatches, axis=1)[0])
+        t = ms.Tensor(np.split(self.local(tgt), self.microbatches, axis=1)[0])
+        fns = stage_fns(self.stage, self.loss_fn, "jit", first, last)
+        if not first:  # the activation: this rank's sequence rows (sequence parallel)
+            x = ops.zeros((S // self.tp.size, int(x.shape[1]), D), ms.float32)
+        if last:
+            fns.loss(x, t, ms.Tensor(0.0, ms.float32), fns.zeros(), ops.zeros((), ms.float32))
+        else:
+            y = fns.forward(x)
+            fns.backward(x, ops.zeros(y.shape, y.dtype), fns.zeros())
 
     def global_loss(self, loss) -> float:
         import mindspore as ms
@@ -299,8 +327,10 @@ def train(ctx: CheckContext, tp=1, pp=1, stage=1, mode="pynative", dtype="float3
     from mindscience.distributed.optimizer import DistributedOptimizer
 
     started = time.perf_counter()
+    if pp > 1 and mode == "graph":
+        raise ValueError(f"mode='graph' with pp={pp}: the pipeline runs 'pynative' or 'jit'")
     lay = manager.get_layout() if manager.is_initialized() else None
-    if lay is None or (lay.tp, lay.pp) != (tp, pp):
+    if lay is None or (lay.tp, lay.cp, lay.pp) != (tp, 1, pp):  # dp = the rest of the world
         lay = reinit(manager, {"tp": tp, "pp": pp})
     # One PyNative reference for every mode: a reference whose value_and_grad was wrapped
     # in ms.jit did not follow its weights' set_data between steps (losses 40 % off).
@@ -338,11 +368,14 @@ def train(ctx: CheckContext, tp=1, pp=1, stage=1, mode="pynative", dtype="float3
     losses, norms = [], []
     saved = ms.get_context("mode")
     try:
+        if mode == "jit" and run.pp.size > 1:
+            run.compile_stage(*_batches(1)[0])
         if mode == "graph":
             ms.set_context(mode=ms.GRAPH_MODE)
         for ids, tgt in _batches(steps):
             if run.pp.size > 1:
-                loss, grads = run.grads(ids, tgt, None)
+                # The stage's forward and backward compiled under "jit"; the step eager.
+                loss, grads = run.grads(ids, tgt, None, mode)
                 out = opt(grads)
             else:
                 loss, out = step(ms.Tensor(run.local(ids)), ms.Tensor(run.local(tgt)))
@@ -358,7 +391,8 @@ def train(ctx: CheckContext, tp=1, pp=1, stage=1, mode="pynative", dtype="float3
     mem = opt.memory_bytes()
     rec = {
         "check": "optimizer.train", "group": layout_label(manager.get_layout()),
-        "tp": tp, "pp": pp, "stage": stage, "mode": mode, "dtype": dtype, "clip": clip,
+        "tp": tp, "pp": pp, "dp": run.dp.size, "stage": stage, "mode": mode, "dtype": dtype,
+        "clip": clip, "steps": steps,
         "kind": kind, "d": opt.d, "group_rank": opt.group.rank, "pp_rank": run.pp.rank,
         "losses": losses, "ref_losses": ref_losses, "loss_rel_error": max(rel),
         "param_max_diff": diff, "param_scale": scale, "norms": norms,
@@ -420,7 +454,7 @@ def errors(ctx: CheckContext, tp=2) -> list:
     from mindscience.distributed.optimizer import DistributedOptimizer, DistributedOptimizerError
 
     lay = manager.get_layout() if manager.is_initialized() else None
-    if lay is None or (lay.tp, lay.pp) != (tp, 1):
+    if lay is None or (lay.tp, lay.cp, lay.pp) != (tp, 1, 1):
         lay = reinit(manager, {"tp": tp})
     dpcp = manager.get_data_context_parallel_group()
 

@@ -8,8 +8,9 @@ pp2 x dp2 (1F1B; the embedding and the LM head tied).
 
 from __future__ import annotations
 
-import functools
 import os
+
+import _jobs
 
 WORLD_SIZE = 4
 # Measured (2026-12-05, shared 2-core machine): the job took 175-205 s at load ~0-14, and the
@@ -49,13 +50,33 @@ SPEC = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def run_job(spec_key: str = "full"):
-    """Launch the battery once per session; returns the harness LaunchResult."""
-    from mindscience.distributed.harness import launch
+# 8 ranks, tp2 x pp2 (1F1B, tied embedding and LM head) x dp2: every ZeRO stage, each in
+# PyNative and with the stages' forward and backward under ms.jit, against the same
+# PyNative reference (GradientFinalizer + the numpy AdamW), clipped. These run in the
+# session's 8-rank launch, with tests/test_mappings.py's checks when both files run.
+WORLD_SIZE_8 = 8
+TIMEOUT_8_S = 900
+_TP2_PP2 = {"tp": 2, "pp": 2}
+SPEC_8 = {
+    "modules": ["_optimizer_checks"],
+    "checks": [_train(_TP2_PP2, stage=stage, clip=CLIP, mode=mode)
+               for mode in ("pynative", "jit") for stage in (0, 1, 2, 3)],
+}
 
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)}
-    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env=env)
+_jobs.register("optimizer", SPEC, world_size=WORLD_SIZE, timeout=TIMEOUT_S,
+               test_files=("test_optimizer.py",), paths=(HERE,))
+_jobs.register("optimizer8", SPEC_8, world_size=WORLD_SIZE_8, timeout=TIMEOUT_8_S,
+               test_files=("test_optimizer.py",), paths=(HERE,))
+
+
+def run_job():
+    """This family's part of the session's shared launch (``_jobs.py``), a LaunchResult."""
+    return _jobs.run("optimizer")
+
+
+def run_job8():
+    """The 8-rank checks' part of the session's shared 8-rank launch, a LaunchResult."""
+    return _jobs.run("optimizer8")
 
 
 def describe_failures(result) -> str:

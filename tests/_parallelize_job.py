@@ -13,6 +13,8 @@ import functools
 import os
 import tempfile
 
+import _jobs
+
 WORLD_SIZE = 4
 # Measured 2026-12-05 on the shared 2-core machine: checks 39 s (the ms.jit case 10 s) plus
 # 13 s of import and init at load average 16; 79 s at load ~30; 149 s (+32 s) at load ~50.
@@ -42,14 +44,19 @@ def spec(directory: str) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def run_job():
-    """Launch the battery once per session: ``(LaunchResult, folder)``; the checkpoint
-    saved at tp2 x dp2 is ``folder/tp2``."""
-    from mindscience.distributed.harness import launch
+def directory() -> str:
+    """The session's folder for the checkpoint the ranks save (``folder/tp2``)."""
+    return tempfile.mkdtemp(prefix="msdist_parallelize_")
 
-    directory = tempfile.mkdtemp(prefix="msdist_parallelize_")
-    env = {"PYTHONPATH": os.pathsep.join([TESTS_DIR, EXAMPLES_DIR, os.environ.get("PYTHONPATH", "")])}
-    return launch(spec(directory), WORLD_SIZE, timeout=TIMEOUT_S, env=env), directory
+
+_jobs.register("parallelize", lambda: spec(directory()), world_size=WORLD_SIZE, timeout=TIMEOUT_S,
+               test_files=("test_parallelize.py",), paths=(TESTS_DIR, EXAMPLES_DIR))
+
+
+def run_job():
+    """This family's part of the session's shared launch (``_jobs.py``):
+    ``(LaunchResult, folder)``; the checkpoint saved at tp2 x dp2 is ``folder/tp2``."""
+    return _jobs.run("parallelize"), directory()
 
 
 def describe_failures(result) -> str:

@@ -7,8 +7,9 @@ the layer set and the RNG tracker, tp2 x pp2 for the pipeline runtime.
 
 from __future__ import annotations
 
-import functools
 import os
+
+import _jobs
 
 WORLD_SIZE = 4
 # Checks measured at 155 s (load average 27) and, with a jit pipeline case since dropped,
@@ -40,14 +41,13 @@ LAYER_GROUPS = (f"pynative.cells.{_ALL}", f"pynative.selective.{_ALL}", "jit.cel
                 "graph.selective.allgather_kv")
 
 
-@functools.lru_cache(maxsize=None)
-def run_job():
-    """Launch the battery once per session; returns the harness LaunchResult."""
-    from mindscience.distributed.harness import launch
+_jobs.register("recompute", SPEC, world_size=WORLD_SIZE, timeout=TIMEOUT_S,
+               test_files=("test_recompute.py",), paths=(os.path.dirname(os.path.abspath(__file__)),))
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
-    return launch(SPEC, WORLD_SIZE, timeout=TIMEOUT_S, env={"PYTHONPATH": path})
+
+def run_job():
+    """This family's part of the session's shared launch (``_jobs.py``), a LaunchResult."""
+    return _jobs.run("recompute")
 
 
 def records_of(result, check: str) -> list:

@@ -5,8 +5,15 @@
   with ``-m "not multiprocess"``.
 * ``assert_no_leftovers(result)`` fails when any process of a finished harness job is
   still alive.
+* The multiprocess job families (``tests/_<name>_job.py``) share one launch per world
+  size: after collection, ``_jobs.select`` learns which test files have multiprocess
+  tests selected, and the first family used launches the checks of all of them
+  (see ``_jobs.py``).
 """
 
+import glob
+import importlib
+import os
 import sys
 
 import pytest
@@ -30,6 +37,35 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _limit_kernel_threads():
+    """MindSpore's CPU kernel pool in this process: the machine's cores (``MSDIST_CPU_THREADS``
+    overrides it, 0 keeps MindSpore's default of 25), set before the first kernel runs."""
+    if "mindspore" not in sys.modules:  # no collected test imports it: nothing to set
+        return
+    import mindspore as ms
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = int(os.environ.get("MSDIST_CPU_THREADS") or cores or 1)
+    if threads > 0:
+        ms.device_context.cpu.op_tuning.threads_num(threads)
+
+
+def pytest_collection_finish(session):
+    _limit_kernel_threads()
+    files = {item.path.name for item in session.items
+             if "multiprocess" in item.keywords and not item.get_closest_marker("skip")}
+    if not files:
+        return
+    import _jobs
+
+    # Every family registers itself when its job module is imported; some test files
+    # import theirs only inside a fixture, so import them all now (they are small and
+    # import no MindSpore).
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_*_job.py"))):
+        importlib.import_module(os.path.basename(path)[:-3])
+    _jobs.select(files)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import os
 import numpy as np
 import pytest
 
+import _jobs
 from mindscience.distributed.group import ParallelGroup
 from mindscience.distributed.harness.checks import mappings as mchecks
 from mindscience.distributed.topology import Layout
@@ -49,7 +50,7 @@ UNEVEN_SPLITS = [[2, 1, 1, 1], [1, 1, 1, 0], [3, 0, 2, 1]]
 PLAN_KEYS_8 = PLAN_KEYS + ["tp-cp", "tp-dp-pp"]
 
 # Test-only check modules (tests/_*_checks.py), imported by the ranks with tests/ on their
-# PYTHONPATH (see _launch).
+# PYTHONPATH (tests/_jobs.py puts it there).
 SPEC_4 = {
     "layout": {"world_size": 4, "tp": 2, "cp": 2},
     "modules": ["_manager_checks", "_checkpoint_checks", "_checkpoint_resume_checks"],
@@ -156,13 +157,7 @@ SPEC_8 = {
 
 
 # ---------------------------------------------------------------------------- fixtures
-def _launch(spec, world_size, tmp_path_factory, timeout):
-    from mindscience.distributed.harness import launch
-
-    log_dir = tmp_path_factory.mktemp(f"mappings_{world_size}ranks")
-    path = os.environ.get("PYTHONPATH", "")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, path) if p)}  # the spec's "modules"
-    result = launch(spec, world_size, timeout=timeout, log_dir=str(log_dir), env=env)
+def _checked(result, world_size):
     assert result.ok, (
         f"the {world_size}-rank job failed (logs in {result.log_dir}):\n"
         + "\n".join(f"rank {f['rank']} {f['kind']}: {f['reason']}\n{f.get('log_tail', '')}"
@@ -187,16 +182,24 @@ class Records:
         return [x for recs in self.select(**match).values() for x in recs]
 
 
-@pytest.fixture(scope="module")
-def job4(tmp_path_factory):
-    return Records(_launch(SPEC_4, 4, tmp_path_factory, timeout=420), 4)
+# Each job runs in the session's shared launch of its size (tests/_jobs.py): the 8-rank one
+# with the 8-rank checks of test_optimizer.py and test_models.py when those files run too.
+_jobs.register("mappings4", SPEC_4, world_size=4, timeout=420, test_files=("test_mappings.py",),
+               paths=(HERE,))
+# 900 s, + 330 s for examples/train_transformer.py and train_pipeline.py (GPTModel): measured
+# 144 s and ~190 s of the checks' time at load average 25.
+_jobs.register("mappings8", SPEC_8, world_size=8, timeout=1230, test_files=("test_mappings.py",),
+               paths=(HERE,))
 
 
 @pytest.fixture(scope="module")
-def job8(tmp_path_factory):
-    # 900 s, + 330 s for examples/train_transformer.py and train_pipeline.py (GPTModel):
-    # measured 144 s and ~190 s of the checks' time at load average 25.
-    return Records(_launch(SPEC_8, 8, tmp_path_factory, timeout=1230), 8)
+def job4():
+    return Records(_checked(_jobs.run("mappings4"), 4), 4)
+
+
+@pytest.fixture(scope="module")
+def job8():
+    return Records(_checked(_jobs.run("mappings8"), 8), 8)
 
 
 def _assert_passed(records, what):

@@ -409,3 +409,36 @@ def test_4ranks_bad_inputs_raise_before_any_collective(job):
     assert not failed, [(r["rank"], r["case"], r["raised"], r["missing"], r["message"]) for r in failed]
     assert all(r["raised"] == "DistributedOptimizerError" for r in records if r["case"] != "in_step")
     assert all(r["world_sum"] == 4.0 for r in records if r["case"] == "in_step")
+
+
+# ----------------------------------------------------------------------------- 8 ranks
+@pytest.fixture(scope="module")
+def job8():
+    result = job_mod.run_job8()
+    assert result.ok, job_mod.describe_failures(result)
+    return result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["pynative", "jit"])
+def test_8ranks_tp2_pp2_dp2_every_stage_matches_the_reference(job8, mode):
+    """tp2 x pp2 (1F1B, tied embedding) x dp2, stages 0-3, the stages' forward and backward
+    in ``mode``: 5 steps' losses equal GradientFinalizer + numpy AdamW (PyNative) within
+    1e-6 relative, the weights within WEIGHT_ATOL, the clip norm the reference's, and every
+    rank of the pipeline reports the same curve."""
+    records = _train_records(job8, mode=mode)
+    assert len(records) == 4 * job_mod.WORLD_SIZE_8
+    assert sorted({r["stage"] for r in records}) == [0, 1, 2, 3]
+    for r in records:
+        label = f"rank {r['rank']} {r['group']} stage {r['stage']} {mode}"
+        assert (r["tp"], r["pp"], r["dp"], r["d"]) == (2, 2, 2, 2), label
+        assert r["passed"], label
+        assert len(r["losses"]) == r["steps"] == 5 and r["losses"][-1] < 0.9 * r["losses"][0], label
+        assert r["loss_rel_error"] <= 1e-6, (label, r["losses"], r["ref_losses"])
+        assert r["param_max_diff"] <= WEIGHT_ATOL, (label, r["param_max_diff"])
+        assert r["main_vs_params"] == 0.0 and r["padding_max_abs"] == 0.0, label
+        np.testing.assert_allclose(r["norms"], r["ref_norms"], rtol=1e-5)
+    for stage in range(4):
+        curves = {tuple(r["losses"]) for r in records if r["stage"] == stage}
+        assert len(curves) == 1, (stage, curves)
+    assert {r["pp_rank"] for r in records} == {0, 1}
