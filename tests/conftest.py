@@ -8,7 +8,8 @@
 * The multiprocess job families (``tests/_<name>_job.py``) share one launch per world
   size: after collection, ``_jobs.select`` learns which test files have multiprocess
   tests selected, and the first family used launches the checks of all of them
-  (see ``_jobs.py``).
+  (see ``_jobs.py``). ``MSDIST_SHARED_LAUNCH=0`` gives every family its own launch
+  (the behaviour before; to time a family alone or to rule the sharing out).
 """
 
 import glob
@@ -56,7 +57,7 @@ def pytest_collection_finish(session):
     _limit_kernel_threads()
     files = {item.path.name for item in session.items
              if "multiprocess" in item.keywords and not item.get_closest_marker("skip")}
-    if not files:
+    if not files or os.environ.get("MSDIST_SHARED_LAUNCH") == "0":
         return
     import _jobs
 

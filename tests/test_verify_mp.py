@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -94,12 +95,25 @@ def test_default_layout_passes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     cluster = json.loads(proc.stdout)["model"]["cluster"]
     assert cluster["peak_tflops"] * cluster["compute_efficiency"] == pytest.approx(compute["tflops"])
-    largest = {}
+    # Alpha-beta: per (op, group), the bus bandwidth of the bytes beyond the smallest size,
+    # factor * (B - b) / (T - t) with factor = busbw * T / B of the largest size; the median
+    # of those that grew with the size (the largest sizes' median busbw when none did).
+    sweeps = {}
     for row in bandwidth:
-        if row["bytes"] > largest.get((row["op"], row["group"]), {"bytes": 0})["bytes"]:
-            largest[(row["op"], row["group"])] = row
-    busbw = sorted(r["busbw_gbps"] for r in largest.values())
-    assert cluster["intra_node_gbps"] == pytest.approx((busbw[5] + busbw[6]) / 2)  # median of 12
+        sweeps.setdefault((row["op"], row["group"]), []).append(row)
+    slopes, largest_busbw = [], []
+    for rows_of in sweeps.values():
+        small, large = min(rows_of, key=lambda r: r["bytes"]), max(rows_of, key=lambda r: r["bytes"])
+        largest_busbw.append(large["busbw_gbps"])
+        grown_us = large["time_us"] - small["time_us"]
+        if grown_us > 0:
+            factor = large["busbw_gbps"] * large["time_us"] / large["bytes"]
+            slopes.append(factor * (large["bytes"] - small["bytes"]) / grown_us)
+    assert len(sweeps) == 12
+    expected = statistics.median(slopes) if slopes else statistics.median(largest_busbw)
+    assert cluster["intra_node_gbps"] == pytest.approx(expected, rel=1e-6)
+    assert cluster["intra_node_latency_us"] == pytest.approx(
+        statistics.median(min(r["time_us"] for r in rows_of) for rows_of in sweeps.values()), rel=1e-6)
     assert leftovers(log_dir) == []
 
 
