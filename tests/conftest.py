@@ -42,7 +42,9 @@ def pytest_collection_modifyitems(config, items):
 
 def _limit_kernel_threads():
     """MindSpore's CPU kernel pool in this process: the machine's cores (``MSDIST_CPU_THREADS``
-    overrides it, 0 keeps MindSpore's default of 25), set before the first kernel runs."""
+    overrides it, 0 keeps MindSpore's default of 25), set before the first kernel runs; and
+    synchronous PyNative, as the harness's CPU ranks run it (``MSDIST_PYNATIVE_SYNC=0``
+    keeps the asynchronous default; see harness/worker.py ``_synchronous_pynative``)."""
     if "mindspore" not in sys.modules:  # no collected test imports it: nothing to set
         return
     import mindspore as ms
@@ -51,6 +53,8 @@ def _limit_kernel_threads():
     threads = int(os.environ.get("MSDIST_CPU_THREADS") or cores or 1)
     if threads > 0:
         ms.device_context.cpu.op_tuning.threads_num(threads)
+    if os.environ.get("MSDIST_PYNATIVE_SYNC", "1") != "0" and ms.get_context("device_target") == "CPU":
+        ms.set_context(pynative_synchronize=True)
 
 
 def pytest_collection_finish(session):
