@@ -76,6 +76,20 @@ def parse_zero_stages(text: Optional[str]) -> Optional[list]:
     return stages
 
 
+# The layout backend a device preset runs on: what `--write` saves when `--backend` is not
+# given. A cluster without a preset (the generic accelerator) keeps the historical `ascend`.
+DEVICE_BACKENDS = {"ascend-910b": "ascend", "a100-80gb": "gpu", "h100-80gb": "gpu", "h200": "gpu", "cpu": "cpu"}
+
+
+def device_backend(device: Optional[str]) -> str:
+    """The ``backend:`` of a layout for devices of preset ``device`` (None: the generic accelerator).
+
+        >>> device_backend("cpu"), device_backend("h100-80gb"), device_backend(None)
+        ('cpu', 'gpu', 'ascend')
+    """
+    return DEVICE_BACKENDS.get(device or "", "ascend")
+
+
 def _best_layout(result: dict, workload, backend: str) -> str:
     """The text of a layout file for the best candidate, with the workload's sections."""
     from mindscience.distributed.costmodel.spec import workload_sections
@@ -114,7 +128,9 @@ def suggest(
     top: int = typer.Option(10, "--top", "-k", help="Show the best K layouts."),
     fmt: str = typer.Option("rich", "--format", "-f", help="rich (a table) or json (stdout holds only JSON)."),
     write: Optional[str] = typer.Option(None, "--write", help="Save the best layout as a layout file."),
-    backend: str = typer.Option("ascend", "--backend", help="backend: of the layout --write saves."),
+    backend: Optional[str] = typer.Option(
+        None, "--backend", help="backend: of the layout --write saves (default: the device model's: cpu for the "
+        "cpu preset, gpu for the NVIDIA ones, else ascend)."),
     device: Optional[str] = typer.Option(
         None, "--device", help="Device preset filling the cluster values the model file leaves out: "
         + describe_devices() + "."),
@@ -150,7 +166,7 @@ def suggest(
                              f"of --world {world} (every node holds the same number of devices).")
         if top < 1:
             raise UsageError(f"--top {top} is invalid: expected at least 1.")
-        if backend not in BACKENDS:
+        if backend is not None and backend not in BACKENDS:
             raise UsageError(f"--backend {backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
         if write:
             check_output_file("--write", write)
@@ -176,7 +192,7 @@ def suggest(
         with user_errors():
             try:
                 with open(write, "w", encoding="utf-8") as fh:
-                    fh.write(_best_layout(result, workload, backend))
+                    fh.write(_best_layout(result, workload, backend or device_backend(workload.cluster.device)))
             except OSError as err:
                 raise write_error("--write", write, err) from None
         sys.stderr.write(f"msdist: wrote the best layout to {write} (msdist plan {write})\n")
