@@ -379,7 +379,10 @@ class CommGroupCreator:
     arithmetic: no device and no ``init()`` needed, so they plan groups anywhere.
 
     Args:
-        tp, cp, dp, pp: The four axis sizes (the world is their product).
+        tp: Tensor-parallel size (the world is the product of the four sizes).
+        cp: Context-parallel size.
+        dp: Data-parallel size.
+        pp: Pipeline-parallel size.
         order: The axes joined by ``-``, the first varying fastest.
 
     Example::

@@ -91,11 +91,11 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         By configuration (more than one model stage unless said):
 
         * ``recompute="full"``: ``"full"``;
-        * one model stage (``pp * virtual_stages == 1``): the request, ``"full"`` read
-          as ``"none"`` (loss and gradients in one pass, nothing recomputed);
+        * one model stage (``pp * virtual_stages == 1``): the request, ``"full"`` read as
+            ``"none"`` (loss and gradients in one pass, nothing recomputed);
         * GPipe in PyNative: the request (newest-first backwards keep the forwards);
         * GPipe under jit, 1F1B, interleaved, asked ``"none"``/``"selective"``:
-          ``"full"`` (forced; measured, see the module docstring).
+            ``"full"`` (forced; measured, see the module docstring).
 
     Raises:
         RecomputeError: an unknown value, or a size < 1.
@@ -113,21 +113,9 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
     if recompute == "full":
         return "full", ("recompute='full': every model stage but the last keeps its input only "
                         "and recomputes its forward in the backward.")
-    if schedule == "gpipe" and mode == "pynative":
-        return recompute, ("gpipe keeps every stage's forward (mindspore.vjp) from F to B and "
-                           f"runs the backwards newest-first; recompute={recompute!r} runs as "
-                           "asked.")
-    if schedule == "gpipe":
-        return "full", ("mode='jit': kept compiled stage forwards gave wrong gradients for the "
-                        "older micro-batches once the stage holds a tensor-parallel collective "
-                        "(measured on MindSpore 2.10 CPU), so every model stage but the last "
-                        f"recomputes its forward: recompute={recompute!r} is priced and run as "
-                        "'full'; use mode='pynative' to keep activations.")
-    return "full", (f"{schedule} runs the backward of its oldest kept forward first, which "
-                    "MindSpore 2.10 cannot do with kept forwards (mindspore.vjp backwards run "
-                    "newest-first only, measured), so every model stage but the last "
-                    f"recomputes its forward: recompute={recompute!r} is priced and run as "
-                    "'full'; use schedule='gpipe' to keep activations.")
+    return recompute, (f"{schedule} keeps each in-flight micro-batch's stage forward from F to B "
+                       f"(mode={mode!r}; backwards in the schedule's own order, nothing re-run); "
+                       f"recompute={recompute!r} runs as asked.")
 
 
 def kept_order(p: int, m: int, rank: int) -> list:

@@ -54,7 +54,8 @@ class ContextParallelAttention(nn.Cell):
             instead of being kept (see :func:`context_parallel_attention`). Default
             False. The gradients are identical either way (in PyNative, ``ms.jit`` and
             GRAPH_MODE, every method).
-        tp_group, cp_group: Override the groups (default: the manager's, or size 1).
+        tp_group: Override the tp group (default: the manager's, or size 1).
+        cp_group: Override the cp group (default: the manager's, or size 1).
 
     Inputs:
         x: ``(S_local, B, H)``. split_sizes: the rows of every cp rank (uneven sequence).

@@ -154,8 +154,9 @@ def context_parallel_attention(q, k, v, group, *, method="ring", causal=False, s
 
     Args:
         q: ``(S_local, B, N, D)``, this rank's rows of the queries.
-        k, v: ``(S_local, B, N_kv, D)`` with ``N % N_kv == 0`` (grouped-query attention:
+        k: ``(S_local, B, N_kv, D)`` with ``N % N_kv == 0`` (grouped-query attention:
             query head ``h`` uses key/value head ``h // (N / N_kv)``).
+        v: ``(S_local, B, N_kv, D)``, like ``k``.
         group: The context-parallel group (a ParallelGroup or a backend group name).
         method: ``"ring"`` (default), ``"ulysses"`` or ``"allgather_kv"``.
         causal: Query at global position ``i`` sees keys ``0 .. i``.
