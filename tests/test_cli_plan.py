@@ -65,7 +65,8 @@ def test_plan_json_schema_and_values():
     assert data["groups"]["dp"][0] == [0, 8, 16, 24]
     assert data["groups"]["pp"][0] == [0, 32]
     assert len(data["ranks"]) == 64
-    assert data["ranks"][37] == {"rank": 37, "node": 4, "local_rank": 5, "tp": 1, "cp": 1, "dp": 0, "pp": 1}
+    assert data["ranks"][37] == {"rank": 37, "node": 4, "local_rank": 5, "tp": 1, "cp": 1, "dp": 0, "pp": 1,
+                                 "ep": 0, "etp": 1, "edp": 1}
     # Five distinct communicators at 400 MB each.
     assert data["communicators"]["per_rank"] == 5
     assert data["communicators"]["buffer_mb_per_rank"] == 2000

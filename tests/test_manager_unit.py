@@ -130,6 +130,8 @@ def test_double_init_and_bad_sizes(fake_backend):
     with pytest.raises(RuntimeError, match="already called"):
         manager.initialize_parallel(2)
     with pytest.raises(ValueError, match="unknown axis"):
+        manager.get_group("tp-xp")
+    with pytest.raises(ValueError, match="mixes dense axis 'tp' with expert axis 'ep'"):
         manager.get_group("tp-ep")
 
 

@@ -1,4 +1,4 @@
-"""Runtime communication groups for tensor, context, data and pipeline parallelism.
+"""Runtime communication groups for tensor, context, data, pipeline and expert parallelism.
 
 The groups come from the same :class:`~mindscience.distributed.topology.Layout` that
 ``msdist plan`` prints, so the member ranks created here are exactly the planned ones.
@@ -16,8 +16,14 @@ Example, 8 ranks, tp=2, pp=2, order tp-cp-dp-pp, seen from global rank 5:
 tp group (4, 5) rank 1; dp group (5, 7) rank 0; pp group (1, 5) rank 1, so rank 5 is
 the last pipeline stage, its previous stage is rank 1 and its next (ring) is rank 1.
 
+Expert layers (Mixture-of-Experts) fold over the same ranks with their own groups:
+``initialize_parallel(..., expert_model_parallel_size=4)`` adds the ep, etp (expert
+tensor), edp (expert data) and etp-ep (token dispatch) groups, read with
+``get_expert_model_parallel_group()`` and the other ``get_expert_*`` getters.
+
 Backend communicators are created only for groups of size > 1, once per distinct set
-of member ranks (``dp-cp`` reuses ``dp``'s communicator when cp == 1). Their names are
+of member ranks (``dp-cp`` reuses ``dp``'s communicator when cp == 1, ``edp`` reuses
+``dp-cp``'s when the experts are not split). Their names are
 ``msd<generation>-<axes>-<group index>`` (at most ~30 characters at any world size),
 where the generation counts initializations in this process, so that
 ``destroy_parallel()`` followed by ``initialize_parallel(...)`` with other sizes never
@@ -35,9 +41,17 @@ __all__ = [
     "CommGroup", "CommGroupBase", "CommGroupCreator", "ParallelGroup", "ParallelInitError",
     "ParallelNotInitializedError", "initialize_parallel", "destroy_parallel",
     "is_initialized", "get_layout", "get_group", "get_embedding_group",
+    "get_expert_model_parallel_group", "get_expert_model_parallel_group_name",
+    "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size",
+    "get_expert_tensor_parallel_group", "get_expert_tensor_parallel_group_name",
+    "get_expert_tensor_parallel_rank", "get_expert_tensor_parallel_world_size",
+    "get_expert_data_parallel_group", "get_expert_data_parallel_group_name",
+    "get_expert_data_parallel_rank", "get_expert_data_parallel_world_size",
+    "get_expert_tensor_and_model_parallel_group",
 ]
 
-STANDARD_KEYS = ("tp", "cp", "dp", "pp", "dp-cp")
+# The dense groups, then the expert ones (topology.plan.RUNTIME_KEYS, what msdist plan counts).
+STANDARD_KEYS = ("tp", "cp", "dp", "pp", "dp-cp", "ep", "etp", "edp", "etp-ep")
 
 
 class ParallelInitError(RuntimeError, ValueError):
@@ -58,7 +72,7 @@ class _ParallelState:
     rank: int
     generation: int
     groups: dict = field(default_factory=dict)  # key as given -> ParallelGroup
-    backend_names: dict = field(default_factory=dict)  # effective axes -> backend name
+    backend_names: dict = field(default_factory=dict)  # Layout.signature -> backend name
 
 
 _STATE: _ParallelState | None = None
@@ -93,17 +107,25 @@ def initialize_parallel(
     context_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     order: str = DEFAULT_ORDER,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> Layout:
-    """Create the tp, cp, dp, pp and dp-cp groups of this process.
+    """Create the tp, cp, dp, pp and dp-cp groups of this process, and the expert groups.
 
     Call it in every rank after ``mindspore.communication.init()``. The data-parallel
-    size is ``world_size // (tp * cp * pp)``.
+    size is ``world_size // (tp * cp * pp)``; the expert data-parallel size is
+    ``world_size // (etp * ep * pp)``.
 
     Args:
         tensor_parallel_size: tp size.
         context_parallel_size: cp (sequence) size.
         pipeline_parallel_size: pp size; pipeline groups are really created.
-        order: The four axes joined by ``-``, first varying fastest.
+        order: The four axes joined by ``-``, first varying fastest; may name ``ep``
+            (``tp-cp-ep-dp-pp``), else ep sits just before dp.
+        expert_model_parallel_size: ep, the ranks the experts of a MoE layer are split
+            over (tokens are exchanged over the ``etp-ep`` group).
+        expert_tensor_parallel_size: etp, the split of each expert's ffn dimension;
+            None means tp.
 
     Returns:
         The :class:`Layout` in force (the same object ``msdist plan`` works on).
@@ -133,6 +155,8 @@ def initialize_parallel(
             cp=context_parallel_size,
             pp=pipeline_parallel_size,
             order=order,
+            ep=expert_model_parallel_size,
+            etp=expert_tensor_parallel_size,
         )
     except LayoutError as err:
         raise ParallelInitError(f"initialize_parallel: {err}") from None
@@ -154,13 +178,15 @@ def _build_group(state: _ParallelState, key: str) -> ParallelGroup:
     members = layout.group_of(state.rank, key)
     backend_name = None
     if len(members) > 1:
-        effective = layout.effective_axes(key)
-        backend_name = state.backend_names.get(effective)
+        # Keys with the same signature have the same members on every rank, so every rank
+        # reuses (or creates) the same communicators in the same sequence.
+        signature = layout.signature(key)
+        backend_name = state.backend_names.get(signature)
         if backend_name is None:
-            eff_key = "-".join(effective)
+            eff_key = "-".join(layout.effective_axes(key))
             backend_name = f"msd{state.generation}-{eff_key}-{layout.group_index(state.rank, eff_key)}"
             _create_backend_group(backend_name, members)
-            state.backend_names[effective] = backend_name
+            state.backend_names[signature] = backend_name
     group = ParallelGroup(
         key=key,
         ranks=tuple(members),
@@ -202,9 +228,10 @@ def get_embedding_group() -> ParallelGroup:
 
 
 def _describe(layout: Layout) -> str:
+    experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if layout.has_experts_split else ""
     return (
-        f"tp={layout.tp} cp={layout.cp} dp={layout.dp} pp={layout.pp} "
-        f"order={'-'.join(layout.axes)} world={layout.world_size}"
+        f"tp={layout.tp} cp={layout.cp} dp={layout.dp} pp={layout.pp}{experts} "
+        f"order={layout.order} world={layout.world_size}"
     )
 
 
@@ -240,15 +267,16 @@ def get_layout() -> Layout:
 
 
 def get_group(key: str) -> ParallelGroup:
-    """This process's group for any axis combination, e.g. ``"tp-cp"`` or ``"tp-dp-cp"``.
+    """This process's group for any axis combination, e.g. ``"tp-cp"``, ``"tp-dp-cp"`` or ``"etp-ep"``.
 
-    Groups beyond tp, cp, dp, pp and dp-cp are created on first use: like any group
+    Groups beyond :data:`STANDARD_KEYS` are created on first use: like any group
     creation this is collective, so every rank must ask for the same keys in the
     same order.
 
     Raises:
         RuntimeError: not initialized.
-        ValueError: unknown or repeated axis in ``key``.
+        ValueError: unknown or repeated axis in ``key``, or dense axes (tp, cp, dp) mixed
+            with expert axes (etp, ep, edp).
     """
     state = _state()
     group = state.groups.get(key)
@@ -348,6 +376,63 @@ def get_data_context_parallel_world_size() -> int:
 
 def get_pipeline_parallel_world_size() -> int:
     return get_group("pp").size
+
+
+# ------------------------------------------------------------- expert getters (Megatron's names)
+def get_expert_model_parallel_group() -> ParallelGroup:
+    """The ep group: the ranks that split one MoE layer's experts between them."""
+    return get_group("ep")
+
+
+def get_expert_model_parallel_group_name() -> str:
+    return get_group("ep").group_name
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_group("ep").rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_group("ep").size
+
+
+def get_expert_tensor_parallel_group() -> ParallelGroup:
+    """The etp group: the ranks that split each expert's ffn dimension."""
+    return get_group("etp")
+
+
+def get_expert_tensor_parallel_group_name() -> str:
+    return get_group("etp").group_name
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return get_group("etp").rank
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return get_group("etp").size
+
+
+def get_expert_data_parallel_group() -> ParallelGroup:
+    """The edp group: the ranks holding the same expert shards (expert gradients reduce here)."""
+    return get_group("edp")
+
+
+def get_expert_data_parallel_group_name() -> str:
+    return get_group("edp").group_name
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_group("edp").rank
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_group("edp").size
+
+
+def get_expert_tensor_and_model_parallel_group() -> ParallelGroup:
+    """The etp-ep group, over which a MoE layer dispatches its tokens."""
+    return get_group("etp-ep")
 
 
 def is_pipeline_first_stage() -> bool:

@@ -10,7 +10,9 @@ Schema (every key but ``world_size`` is optional)::
     cp: 2
     pp: 2
     dp: 2                    # default: world_size / (tp*cp*pp)
-    order: tp-cp-dp-pp       # first axis varies fastest
+    ep: 8                    # expert-parallel size (default 1)
+    etp: 1                   # expert tensor-parallel size (default: tp)
+    order: tp-cp-ep-dp-pp    # first axis varies fastest; ep optional (then just before dp)
     backend: cpu             # cpu | ascend | gpu
     model: {...}             # optional sections for the cost model
     training: {...}          # (mindscience.distributed.costmodel reads them;
@@ -36,7 +38,9 @@ _SCHEMA = {
     "cp": ((int,), "an integer"),
     "pp": ((int,), "an integer"),
     "dp": ((int,), "an integer"),
-    "order": ((str,), "a string such as tp-cp-dp-pp"),
+    "ep": ((int,), "an integer"),
+    "etp": ((int,), "an integer"),
+    "order": ((str,), "a string such as tp-cp-dp-pp or tp-cp-ep-dp-pp"),
     "backend": ((str,), "one of cpu, ascend, gpu"),
 }
 LAYOUT_KEYS = tuple(_SCHEMA)
@@ -78,7 +82,7 @@ def layout_from_mapping(data, source: str = "<layout>") -> Layout:
                 str(key),
             )
         types, expected = _SCHEMA[key]
-        if value is None and key in ("dp", "devices_per_node", "name", "description"):
+        if value is None and key in ("dp", "etp", "devices_per_node", "name", "description"):
             continue
         if isinstance(value, bool) or not isinstance(value, types):
             raise LayoutFileError(
@@ -102,7 +106,10 @@ def layout_from_mapping(data, source: str = "<layout>") -> Layout:
     except LayoutFileError:
         raise
     except LayoutError as err:
-        raise LayoutFileError(f"{source}: {err}", source) from None
+        message = str(err)
+        # Layout's messages start with the offending key ("ep=3 does not fit: ...").
+        key = next((k for k in LAYOUT_KEYS if message.startswith(f"{k}=")), None)
+        raise LayoutFileError(f"{source}: {message}", source, key) from None
 
 
 def read_yaml_mapping(path: str | os.PathLike, what: str = "layout") -> dict:

@@ -7,10 +7,15 @@ communicator count and buffer estimate below describe what a real job allocates.
 
 from __future__ import annotations
 
-from .layout import AXES, Layout, parse_axis_key
+from .layout import Layout, parse_axis_key
 
-# Groups the runtime manager always builds (mindscience.distributed.manager.STANDARD_KEYS).
-RUNTIME_KEYS = ("tp", "cp", "dp", "pp", "dp-cp")
+# Groups the runtime manager always builds (mindscience.distributed.manager.STANDARD_KEYS):
+# the dense ones, then the expert ones (ep, the expert tensor and data groups, and etp-ep,
+# the group tokens are dispatched over). Expert groups equal to dense ones share their
+# communicator, so a dense layout needs no more communicators than before.
+RUNTIME_KEYS = ("tp", "cp", "dp", "pp", "dp-cp", "ep", "etp", "edp", "etp-ep")
+# Columns of a rank row beside rank, node and local_rank.
+RANK_AXES = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
 
 # HCCL reserves 2 x HCCL_BUFFSIZE (MB, default 200) per communicator.
 DEFAULT_HCCL_BUFFSIZE_MB = 200
@@ -29,17 +34,18 @@ def plan_keys(extra_keys=()) -> list[str]:
 def communicators(layout: Layout, keys) -> list[str]:
     """Distinct communicators each rank joins for ``keys``.
 
-    A key whose groups have size 1 needs none, and keys with the same effective axes
-    (``dp-cp`` and ``dp`` when cp == 1) share one. Every rank joins the same number.
+    A key whose groups have size 1 needs none, and keys with the same groups (``dp-cp``
+    and ``dp`` when cp == 1, ``edp`` and ``dp-cp`` in Megatron's default order: the same
+    :meth:`~Layout.signature`) share one. Every rank joins the same number.
 
     Returns:
         The first key naming each communicator, e.g. ``["tp", "cp", "dp-cp"]``.
     """
     seen = {}
     for key in keys:
-        effective = layout.effective_axes(key)
-        if effective and effective not in seen:
-            seen[effective] = key
+        signature = layout.signature(key)
+        if signature and signature not in seen:
+            seen[signature] = key
     return list(seen.values())
 
 
@@ -56,7 +62,10 @@ def memory_estimate(layout: Layout, keys, buffsize_mb: int = DEFAULT_HCCL_BUFFSI
 def node_warnings(layout: Layout, crossing: dict) -> list[str]:
     """Warnings for latency-critical axes whose groups span nodes."""
     warnings = []
-    for key, what in (("tp", "tensor"), ("cp", "context")):
+    checked = [("tp", "tensor"), ("cp", "context")]
+    if layout.signature("etp") != layout.signature("tp"):
+        checked.append(("etp", "expert tensor"))
+    for key, what in checked:
         count = len(crossing.get(key, ()))
         if count:
             warnings.append(
@@ -68,23 +77,24 @@ def node_warnings(layout: Layout, crossing: dict) -> list[str]:
     return warnings
 
 
+def _expert_sizes(layout: Layout) -> dict:
+    return {"etp": layout.etp, "ep": layout.ep, "edp": layout.edp}
+
+
 def rank_rows(layout: Layout) -> list[dict]:
-    """One dict per rank: rank, node, local_rank and its tp/cp/dp/pp coordinates.
+    """One dict per rank: rank, node, local_rank, its tp/cp/dp/pp and its ep/etp/edp coordinates.
 
     Built column-wise with list comprehensions: at 65,536 ranks this is the hot path.
     """
     world, dpn = layout.world_size, layout.devices_per_node
     ranks = range(world)
-    columns = {}
-    for axis in AXES:
-        stride, size = layout.stride(axis), getattr(layout, axis)
-        columns[axis] = [(r // stride) % size for r in ranks]
+    columns = layout.axis_columns(RANK_AXES)
     nodes = [r // dpn for r in ranks]
     locals_ = [r % dpn for r in ranks]
-    tp, cp, dp, pp = (columns[a] for a in AXES)
+    tp, cp, dp, pp, ep, etp, edp = (columns[a] for a in RANK_AXES)
     return [
-        {"rank": r, "node": n, "local_rank": lr, "tp": a, "cp": b, "dp": c, "pp": d}
-        for r, n, lr, a, b, c, d in zip(ranks, nodes, locals_, tp, cp, dp, pp)
+        {"rank": r, "node": n, "local_rank": lr, "tp": a, "cp": b, "dp": c, "pp": d, "ep": e, "etp": f, "edp": g}
+        for r, n, lr, a, b, c, d, e, f, g in zip(ranks, nodes, locals_, tp, cp, dp, pp, ep, etp, edp)
     ]
 
 
@@ -97,7 +107,8 @@ def build_plan(
     """The full plan of a layout as plain data.
 
     Returns:
-        ``{"name", "world_size", "order", "sizes", "devices_per_node", "nodes",
+        ``{"name", "world_size", "order", "sizes", "expert_sizes" (etp, ep, edp),
+        "devices_per_node", "nodes",
         "backend", "groups": {key: [[rank, ...], ...]}, "cross_node": {key: [group
         index, ...]}, "communicators": {...}, "warnings": [...], "ranks": [...]}``.
     """
@@ -112,8 +123,9 @@ def build_plan(
     plan = {
         "name": layout.name,
         "world_size": layout.world_size,
-        "order": "-".join(layout.axes),
+        "order": layout.order,
         "sizes": layout.sizes,
+        "expert_sizes": _expert_sizes(layout),
         "devices_per_node": layout.devices_per_node,
         "nodes": layout.num_nodes,
         "backend": layout.backend,
@@ -141,15 +153,17 @@ def rank_plan(layout: Layout, rank: int, extra_keys=(), buffsize_mb: int = DEFAU
             "ranks": members,
             "cross_node": layout.crosses_nodes(members),
         }
-    crossing = {key: layout.crossing_groups(key) for key in ("tp", "cp")}
+    crossing = {key: layout.crossing_groups(key) for key in ("tp", "cp", "etp")}
     return {
         "rank": rank,
         "node": layout.node_of(rank),
         "local_rank": layout.local_rank_of(rank),
         "coords": coords,
+        "expert_coords": {a: layout.group_rank(rank, a) for a in ("etp", "ep", "edp")},
         "world_size": layout.world_size,
-        "order": "-".join(layout.axes),
+        "order": layout.order,
         "sizes": layout.sizes,
+        "expert_sizes": _expert_sizes(layout),
         "groups": groups,
         "communicators": memory_estimate(layout, keys, buffsize_mb),
         "warnings": node_warnings(layout, crossing),
