@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["mark_sharding", "get_sharding", "is_sharded", "local_slices", "SHARD_AXES"]
+__all__ = ["mark_sharding", "get_sharding", "is_sharded", "is_expert", "local_slices", "SHARD_AXES"]
 
 # The layout axes a parameter can be split over (pp places whole parameters on stages
 # and is not a split; dp/cp keep replicas unless a layer says otherwise).
-SHARD_AXES = ("tp", "cp", "dp")
+SHARD_AXES = ("tp", "cp", "dp", "etp", "ep")
 
 
 def _check_int(name, value, minimum, fix):
@@ -120,6 +120,12 @@ def get_sharding(param) -> dict:
 def is_sharded(param) -> bool:
     """Whether ``param`` is split over some axis (False: replicated)."""
     return get_sharding(param)["axis"] is not None
+
+
+def is_expert(param) -> bool:
+    """Whether ``param`` is an MoE expert weight (``param.expert_parallel``): dim 0 holds
+    this ep rank's experts, its gradient is reduced over the expert data-parallel group."""
+    return bool(getattr(param, "expert_parallel", False))
 
 
 def local_slices(global_size: int, size: int, rank: int, stride: int = 1):

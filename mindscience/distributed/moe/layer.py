@@ -1,0 +1,286 @@
+"""``MoELayer``: router -> dispatch -> experts -> combine, over the expert groups.
+
+Collectives, in order, for one forward (``alltoall`` dispatcher; sizes: N tokens of this
+rank, E experts, C slots per expert, L = E/ep local experts):
+
+1. tp > 1 without sequence parallelism: keep this tp rank's rows of the sequence (no
+   communication; the tp ranks hold the same tokens, each routes its share).
+2. router statistics: all-reduce of ``[counts, dropped, sums]`` over tp (2E+2 floats),
+   then over dp-cp (``aux_loss``) or cp (``seq_aux_loss``) when a loss is on.
+3. dispatch: all-to-all over ep of the (E, C, H) buffer; etp > 1: all-gather over etp.
+4. experts: one batched matmul each way over the L local experts.
+5. combine: etp > 1: reduce-scatter over etp; all-to-all over ep back to (E, C, H).
+6. tp > 1 without sequence parallelism: all-gather of the sequence over tp.
+
+The backward runs the transposes in reverse (all-to-all <-> all-to-all, all-gather <->
+reduce-scatter). ``allgather`` replaces 3 and 5 by an all-gather of the tokens and of
+the routing weights over the dispatch group (etp x ep) and a reduce-scatter of the
+partial outputs.
+
+Static shapes: each expert's slot of a rank's buffer holds C = N rows when dropless (a
+token picks an expert at most once) or the capacity; empty rows are zeros, which the
+experts map to zeros (no bias), so padding changes no number.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mindspore as ms
+from mindspore import nn, ops
+from mindspore import dtype as mstype
+
+from .. import collectives as C
+from .. import mappings
+from ..group import ParallelGroup
+from .comm import all_to_all_experts, reduce_for_loss
+from .config import MoEConfig, capacity_of, check_layout
+from .experts import GroupedExperts, SharedExperts
+from .router import TopKRouter, aux_loss_from_sums
+
+__all__ = ["MoELayer", "expert_groups"]
+
+
+def _manager_group(getter: str, key: str) -> ParallelGroup:
+    from .. import manager
+
+    if manager.is_initialized():
+        fn = getattr(manager, getter, None)
+        if fn is not None:
+            return fn()
+        # A manager without the expert axes: ep = etp = 1 (pass the groups explicitly).
+    return ParallelGroup.trivial(key)
+
+
+def expert_groups(ep_group=None, etp_group=None, tp_group=None, dp_cp_group=None, cp_group=None,
+                  dispatch_group=None) -> dict:
+    """The groups the layer uses: given ones resolved, the others from the manager
+    (``get_expert_model_parallel_group`` ..., tp, dp-cp, cp), size 1 without a manager.
+
+    ``dispatch_group`` (etp x ep, the ``allgather`` dispatcher's) defaults to the manager's
+    ``"etp-ep"`` group, or to ``ep_group`` when etp is 1.
+    """
+    def pick(group, getter, key):
+        return C.resolve_group(group) if group is not None else _manager_group(getter, key)
+
+    groups = {
+        "ep": pick(ep_group, "get_expert_model_parallel_group", "ep"),
+        "etp": pick(etp_group, "get_expert_tensor_parallel_group", "etp"),
+        "tp": pick(tp_group, "get_tensor_parallel_group", "tp"),
+        "dp-cp": pick(dp_cp_group, "get_data_context_parallel_group", "dp-cp"),
+        "cp": pick(cp_group, "get_context_parallel_group", "cp"),
+    }
+    if dispatch_group is not None:
+        groups["etp-ep"] = C.resolve_group(dispatch_group)
+    elif groups["etp"].size == 1:
+        groups["etp-ep"] = groups["ep"]
+    else:
+        from .. import manager
+
+        if manager.is_initialized() and hasattr(manager, "get_expert_model_parallel_group"):
+            groups["etp-ep"] = manager.get_group("etp-ep")
+        else:
+            groups["etp-ep"] = ParallelGroup.trivial("etp-ep")
+    return groups
+
+
+class MoELayer(nn.Cell):
+    """A Mixture-of-Experts FFN (see the module docstring for its collectives).
+
+    Args:
+        config: A :class:`MoEConfig`, or a ``TransformerConfig`` / ``ModelSpec`` with the
+            ``moe_*`` keys (:meth:`MoEConfig.from_model`).
+        ep_group, etp_group, tp_group, dp_cp_group, cp_group, dispatch_group: The groups
+            (default: the manager's; see :func:`expert_groups`). The dispatch group is
+            etp x ep (Megatron's folding: the etp ranks of one ep rank are consecutive).
+        compute_dtype: Dtype of the shared experts' matmuls.
+
+    Inputs:
+        hidden_states: (S, B, H), or (S/tp, B, H) with ``config.sequence_parallel``.
+
+    Outputs:
+        ``(output, aux_loss, stats)``: output shaped like the input; ``aux_loss`` a
+        float32 scalar (coefficients applied; add it to the loss); ``stats`` (E + 1,)
+        float32: tokens of this rank's input per expert (before capacity), then the
+        (token, expert) assignments dropped by capacity.
+
+    Raises:
+        MoEConfigError: the experts not divisible by ep, the width by etp, or a bad
+            option (at construction, on every rank, before any collective).
+    """
+
+    def __init__(self, config, ep_group=None, etp_group=None, tp_group=None, dp_cp_group=None,
+                 cp_group=None, dispatch_group=None, compute_dtype=ms.float32):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            config = MoEConfig.from_model(config)
+        g = expert_groups(ep_group, etp_group, tp_group, dp_cp_group, cp_group, dispatch_group)
+        check_layout(config, g["ep"].size, g["etp"].size)
+        if g["etp-ep"].size != g["ep"].size * g["etp"].size:
+            from .config import MoEConfigError
+
+            raise MoEConfigError(
+                f"MoELayer: the dispatch group has {g['etp-ep'].size} ranks but etp x ep = "
+                f"{g['etp'].size} x {g['ep'].size}; pass dispatch_group = the etp-ep group.")
+        self.config = config
+        self.groups = g
+        self.ep = g["ep"].size
+        self.etp = g["etp"].size
+        self.tp = g["tp"].size
+        self.num_experts = config.num_experts
+        self.local_experts = config.num_experts // self.ep
+        self.first_expert = g["ep"].rank * self.local_experts
+        self.topk = config.topk
+        self.sp = bool(config.sequence_parallel)
+        self.split_tp = self.tp > 1 and not self.sp
+        self.alltoall = config.dispatcher == "alltoall"
+        self.dropless = config.capacity_factor is None
+        self.cap_factor = 0.0 if self.dropless else float(config.capacity_factor)
+        self.aux_coeff = (float(config.aux_loss_coeff)
+                          if config.load_balancing_type != "none" else 0.0)
+        self.z_coeff = float(config.z_loss_coeff)
+        self.by_probs = config.drop_policy == "probs"
+        self.seq_aux = config.load_balancing_type == "seq_aux_loss"
+        self.has_loss = ((config.load_balancing_type != "none" and config.aux_loss_coeff > 0)
+                         or config.z_loss_coeff > 0)
+        self.loss_group = g["cp"] if self.seq_aux else g["dp-cp"]
+        self.router = TopKRouter(config)
+        if self.tp > 1:
+            # Each tp rank routes its share of the tokens: a partial gradient, summed over
+            # tp by the gradient finalizer (as a sequence-parallel weight).
+            self.router.weight.sequence_parallel = True
+        self.experts = GroupedExperts(config, self.local_experts, self.etp)
+        self.shared_experts = None
+        if config.shared_expert_ffn_hidden_size is not None:
+            self.shared_experts = SharedExperts(config, g["tp"], compute_dtype)
+
+    # ------------------------------------------------------------------ helpers
+    def _split_sizes(self, s):
+        return tuple(mappings.even_split_sizes(s, self.tp))
+
+    def _select(self, routed, wmap, n, cap):
+        """Slots of each expert: token indices (E, C) int32 and 0/1 validity (E, C)."""
+        rt = routed.T  # (E, N)
+        if self.by_probs:
+            key = ops.where(rt > 0.5, ops.stop_gradient(wmap.T) + 2.0, -ops.ones_like(rt))
+        else:
+            pos = ops.cast(ops.arange(n), mstype.float32).reshape((1, n))
+            key = rt * (2.0 * n) - pos
+        _, idx = ops.topk(key, cap)
+        idx = ops.cast(idx, mstype.int32)
+        valid = ops.gather_elements(rt, 1, idx)
+        return idx, valid
+
+    def _experts_alltoall(self, buf):
+        """(E, C, H) dispatch buffer -> (E, C, H) expert outputs, through ep and etp."""
+        E, cap, H = buf.shape
+        L = self.local_experts
+        y = all_to_all_experts(buf, self.groups["ep"])  # (ep*L, C, H) from each source
+        if self.etp > 1:
+            y = mappings.gather_from_sequence(y, self.groups["etp"])  # (etp*ep*L, C, H)
+        src = y.shape[0] // L
+        y = y.reshape((src, L, cap, H)).transpose(1, 0, 2, 3).reshape((L, src * cap, H))
+        y = self.experts(y)
+        y = y.reshape((L, src, cap, H)).transpose(1, 0, 2, 3).reshape((src * L, cap, H))
+        if self.etp > 1:
+            y = mappings.reduce_scatter_to_sequence(y, self.groups["etp"])
+        return all_to_all_experts(y, self.groups["ep"])
+
+    def _route_and_run(self, x, num_seqs):
+        """Tokens (N, H) of this rank -> (out (N, H), stats vector, loss sums)."""
+        n, H = x.shape
+        E = self.num_experts
+        indices, weights, routed, sums = self.router(x, num_seqs)
+        onehot = ops.one_hot(indices, E, ops.ones((), mstype.float32), ops.zeros((), mstype.float32))
+        wmap = (onehot * weights.reshape(weights.shape + (1,))).sum(1)  # (N, E)
+        if self.dropless:
+            keep = routed
+        else:
+            cap = capacity_of(self.cap_factor, n, self.topk, self.num_experts)
+            idx, valid = self._select(routed, wmap, n, cap)
+        if self.alltoall:
+            if self.dropless:
+                buf = x.reshape((1, n, H)) * routed.T.reshape((E, n, 1))
+                y = self._experts_alltoall(buf)
+                out = (y * wmap.T.reshape((E, n, 1))).sum(0)
+            else:
+                flat = idx.reshape((-1,))
+                buf = ops.gather(x, flat, 0).reshape((E, cap, H)) * valid.reshape((E, cap, 1))
+                cw = ops.gather_elements(wmap.T, 1, idx) * valid
+                y = self._experts_alltoall(buf)
+                out = ops.unsorted_segment_sum((y * cw.reshape((E, cap, 1))).reshape((E * cap, H)),
+                                               flat, n)
+                keep = ops.zeros((E, n), mstype.float32)
+                keep = ops.tensor_scatter_elements(keep, idx, valid, 1).T
+        else:
+            if not self.dropless:
+                keep = ops.tensor_scatter_elements(ops.zeros((E, n), mstype.float32), idx, valid, 1).T
+            out = self._experts_allgather(x, wmap * keep, ops.stop_gradient(keep))
+        counts = routed.sum(0) if not self.seq_aux else \
+            routed.reshape((n // num_seqs, num_seqs, E)).sum(0).reshape((-1,))
+        dropped = (routed.sum() - ops.stop_gradient(keep).sum()).reshape((1,))
+        return out, ops.stop_gradient(counts), ops.stop_gradient(dropped), sums
+
+    def _experts_allgather(self, x, cwmap, keep):
+        """Every rank of the dispatch group runs its local experts on all the group's tokens."""
+        grp = self.groups["etp-ep"]
+        H = x.shape[1]
+        E = self.num_experts
+        L = self.local_experts
+        both = ops.cat((x, cwmap, keep), 1)  # (N, H + 2E)
+        allg = mappings.gather_from_sequence(both, grp)
+        xg = allg[:, :H]
+        first = self.first_expert
+        wl = allg[:, H + first: H + first + L]  # (T, L)
+        kl = ops.stop_gradient(allg[:, H + E + first: H + E + first + L])
+        t = xg.shape[0]
+        buf = xg.reshape((1, t, H)) * kl.T.reshape((L, t, 1))
+        y = self.experts(buf)
+        part = (y * wl.T.reshape((L, t, 1))).sum(0)
+        return mappings.reduce_scatter_to_sequence(part, grp)
+
+    # ------------------------------------------------------------------ forward
+    def construct(self, hidden_states):
+        x = hidden_states
+        S, B, H = x.shape
+        shared = None
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+        if self.split_tp:
+            sizes = self._split_sizes(S)
+            x = mappings.scatter_to_sequence(x, self.groups["tp"], split_sizes=sizes)
+        s_local = x.shape[0]
+        tokens = x.reshape((s_local * B, H))
+        out, counts, dropped, sums = self._route_and_run(tokens, B)
+        E = self.num_experts
+        stats_vec = ops.cat((counts, dropped), 0)
+        if self.tp > 1:
+            stats_vec = reduce_for_loss(stats_vec, self.groups["tp"])
+        if self.seq_aux:
+            stats = ops.cat((stats_vec[:-1].reshape((B, E)).sum(0), stats_vec[-1:]), 0)
+        else:
+            stats = stats_vec
+        if self.has_loss:
+            if self.tp > 1:
+                sums = reduce_for_loss(sums, self.groups["tp"], 1.0 / self.tp)
+            glob = ops.cat((stats_vec[:-1], sums), 0)
+            glob = reduce_for_loss(glob, self.loss_group)
+            n_c = stats_vec.shape[0] - 1
+            aux = aux_loss_from_sums(self.num_experts, self.topk, self.aux_coeff, self.z_coeff,
+                                     self.seq_aux, ops.stop_gradient(glob[:n_c]), glob[n_c:], B)
+        else:
+            aux = sums.sum() * 0.0
+        out = out.reshape((s_local, B, H))
+        if self.split_tp:
+            out = mappings.gather_from_sequence(out, self.groups["tp"],
+                                                tensor_parallel_output_grad=False,
+                                                split_sizes=self._split_sizes(S))
+        out = ops.cast(out, hidden_states.dtype)
+        if shared is not None:
+            out = out + ops.cast(shared, out.dtype)
+        return out, aux, stats
+
+    def update_expert_bias(self, tokens_per_expert):
+        """The router's :meth:`TopKRouter.update_expert_bias` (a no-op unless
+        ``enable_expert_bias``)."""
+        return self.router.update_expert_bias(tokens_per_expert)
