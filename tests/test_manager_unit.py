@@ -147,3 +147,72 @@ def test_package_level_exports_are_the_module_functions():
     assert {"initialize_parallel", "ColumnParallelLinear", "mappings"} <= set(dir(dist))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         dist.nope
+
+
+def test_expert_groups_and_getters(fake_backend):
+    setup, created = fake_backend
+    # 16 ranks: tp2 x pp2 (dp4) for the dense layers; etp1 x ep4 x pp2 (edp2) for the experts.
+    layout = Layout(world_size=16, tp=2, pp=2, ep=4, etp=1)
+    setup(rank=13, world=16)
+    manager.initialize_parallel(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                expert_model_parallel_size=4, expert_tensor_parallel_size=1)
+    assert manager.get_layout() == layout and manager.get_layout().edp == 2
+    assert manager.get_expert_model_parallel_group().ranks == (12, 13, 14, 15)
+    assert manager.get_expert_model_parallel_rank() == 1
+    assert manager.get_expert_model_parallel_world_size() == 4
+    assert manager.get_expert_data_parallel_group().ranks == (9, 13)
+    assert manager.get_expert_data_parallel_rank() == 1
+    assert manager.get_expert_data_parallel_world_size() == 2
+    assert manager.get_expert_tensor_parallel_world_size() == 1
+    assert manager.get_expert_tensor_parallel_rank() == 0
+    assert manager.get_expert_tensor_and_model_parallel_group().ranks == (12, 13, 14, 15)
+    assert manager.get_pipeline_parallel_group().ranks == (5, 13)
+    # Dense tp, dp (= dp-cp), pp, then ep (= etp-ep) and edp; etp and cp have size 1.
+    assert sorted(created.values()) == [[5, 13], [9, 11, 13, 15], [9, 13], [12, 13], [12, 13, 14, 15]]
+    assert manager.get_created_group_count() == 5
+    for key in ("ep", "etp", "edp", "etp-ep", "edp-ep"):
+        assert list(manager.get_group(key).ranks) == layout.group_of(13, key), key
+        assert manager.get_group(key).rank == layout.group_rank(13, key), key
+    # ep and etp-ep have the same members here: one communicator.
+    assert manager.get_expert_model_parallel_group_name() == \
+        manager.get_expert_tensor_and_model_parallel_group().group_name
+    assert manager.get_expert_data_parallel_group_name() != manager.get_data_parallel_group_name()
+    with pytest.raises(RuntimeError, match="size 1"):
+        manager.get_expert_tensor_parallel_group_name()
+
+
+def test_dense_layout_expert_groups_reuse_dense_communicators(fake_backend):
+    setup, created = fake_backend
+    setup(rank=6, world=8)
+    manager.initialize_parallel(tensor_parallel_size=2, context_parallel_size=2)
+    assert manager.get_expert_model_parallel_world_size() == 1
+    assert manager.get_expert_tensor_parallel_group_name() == manager.get_tensor_parallel_group_name()
+    assert manager.get_expert_data_parallel_group_name() == manager.get_data_context_parallel_group_name()
+    assert manager.get_expert_data_parallel_group().ranks == manager.get_data_context_parallel_group().ranks
+    # tp, cp, dp, dp-cp: the expert keys add nothing.
+    assert manager.get_created_group_count() == 4
+
+
+def test_bad_expert_sizes_raise_before_any_group(fake_backend):
+    setup, created = fake_backend
+    setup(rank=0, world=8)
+    with pytest.raises(ValueError, match="ep=3 does not fit"):
+        manager.initialize_parallel(expert_model_parallel_size=3)
+    with pytest.raises(RuntimeError, match="etp=0 is invalid"):
+        manager.initialize_parallel(expert_tensor_parallel_size=0)
+    assert not manager.is_initialized() and not created
+
+
+def test_huge_world_expert_groups_match_the_plan(fake_backend):
+    setup, created = fake_backend
+    world = 65536
+    layout = Layout(world_size=world, tp=4, cp=2, pp=16, ep=64, etp=1)
+    for rank in (0, 40961, world - 1):
+        setup(rank=rank, world=world)
+        manager.initialize_parallel(4, 2, 16, expert_model_parallel_size=64, expert_tensor_parallel_size=1)
+        for key in ("ep", "etp", "edp", "etp-ep", "pp"):
+            group = manager.get_group(key)
+            assert list(group.ranks) == layout.group_of(rank, key)
+            assert group.rank == layout.group_rank(rank, key)
+        manager.destroy_parallel()
+    assert max(len(n) for n in created) <= 64

@@ -261,3 +261,186 @@ def test_topology_and_plan_never_import_mindspore():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "clean"
+
+
+# ------------------------------------------------------------------ expert axes (ep, etp, edp)
+EXPERT_KEYS = ["-".join(c) for n in range(1, 5) for c in itertools.combinations(("etp", "ep", "edp", "pp"), n)]
+FULL_ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "cp", "ep", "dp", "pp"))]
+
+
+def megatron_expert_groups(world, tp, cp, pp, ep, etp, order5, key):
+    """Expert groups the way Megatron's RankGenerator makes them, written apart from Layout.
+
+    The expert generator is the dense one run again with cp of size 1, tp of size etp and
+    dp of size edp (``edp = world / (etp*ep*pp)``), over the same five-axis order; then
+    the groups are found by enumerating every coordinate in a nested loop.
+    """
+    edp = world // (etp * ep * pp)
+    twin = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}
+    order = "-".join(twin[a] for a in order5.split("-") if a != "cp")
+    return brute_force_groups({"etp": etp, "ep": ep, "edp": edp, "pp": pp}, order, key)
+
+
+def expert_cases(world):
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    for tp, cp, pp in factorizations(world, 8):
+        for ep in divisors:
+            for etp in sorted({1, tp, 2}):
+                if world % (etp * ep * pp) == 0 and (ep > 1 or etp != tp):
+                    yield tp, cp, pp, ep, etp
+
+
+@pytest.mark.parametrize("world", [4, 8, 12, 16, 32])
+def test_expert_groups_match_megatron_brute_force_or_fail_its_rules(world):
+    """Every valid layout's expert groups equal Megatron's; every rejected one breaks a rule."""
+    checked = rejected = 0
+    for tp, cp, pp, ep, etp in expert_cases(world):
+        for order in FULL_ORDERS[::7]:
+            dense_pp = brute_force_groups({"tp": tp, "cp": cp, "dp": world // (tp * cp * pp), "pp": pp},
+                                          order.replace("ep-", "").replace("-ep", ""), "pp")
+            expert_pp = megatron_expert_groups(world, tp, cp, pp, ep, etp, order, "pp")
+            edp, dp = world // (etp * ep * pp), world // (tp * cp * pp)
+            breaks_rules = dense_pp != expert_pp or (not order.endswith("pp") and pp > 1 and edp != dp)
+            try:
+                layout = Layout(world_size=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+            except LayoutError as err:
+                assert breaks_rules, (world, tp, cp, pp, ep, etp, order, str(err))
+                rejected += 1
+                continue
+            assert not breaks_rules, (world, tp, cp, pp, ep, etp, order)
+            assert (layout.ep, layout.etp, layout.edp) == (ep, etp, edp)
+            for key in EXPERT_KEYS:
+                assert layout.groups(key) == megatron_expert_groups(world, tp, cp, pp, ep, etp, order, key), (
+                    world, tp, cp, pp, ep, etp, order, key)
+            checked += 1
+    assert checked > 0 and (world < 8 or rejected > 0)
+
+
+@pytest.mark.parametrize(
+    "world,tp,cp,pp,ep,etp,order",
+    [
+        (2048, 1, 1, 16, 64, 1, "tp-cp-ep-dp-pp"),  # DeepSeek-V3's run: 2048 GPUs, pp16, ep64
+        (1024, 4, 2, 4, 8, 1, "tp-cp-ep-dp-pp"),   # Megatron "MoE parallel folding": etp 1 under tp 4
+        (4096, 8, 1, 8, 16, 2, "tp-ep-cp-dp-pp"),
+        (3072, 2, 2, 3, 4, 4, "tp-cp-dp-ep-pp"),
+    ],
+)
+def test_expert_groups_match_megatron_brute_force_large_worlds(world, tp, cp, pp, ep, etp, order):
+    layout = Layout(world_size=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+    for key in ("ep", "etp", "edp", "etp-ep", "pp", "edp-ep"):
+        assert layout.groups(key) == megatron_expert_groups(world, tp, cp, pp, ep, etp, order, key), key
+    assert layout.groups("pp") == brute_force_groups(layout.sizes, "-".join(layout.axes), "pp")
+
+
+def test_expert_groups_without_expert_split_are_the_dense_ones_in_any_order():
+    # ep = 1 and etp = tp: today's layouts, even in orders Megatron's expert rules would reject.
+    for order in ALL_ORDERS:
+        layout = Layout(world_size=24, tp=2, cp=3, pp=2, order=order)
+        assert (layout.ep, layout.etp, layout.edp) == (1, 2, 6)
+        assert layout.groups("etp") == layout.groups("tp")
+        assert layout.groups("edp") == layout.groups("dp-cp")
+        assert layout.groups("etp-ep") == layout.groups("tp")
+        assert layout.groups("ep") == [[r] for r in range(24)]
+        assert layout.signature("edp") == layout.signature("dp-cp")
+        assert layout.order == order and layout.to_dict()["order"] == order and "ep" not in layout.to_dict()
+
+
+def test_documented_expert_example_and_coords():
+    layout = Layout(world_size=8, tp=2, ep=4)
+    assert (layout.dp, layout.etp, layout.edp, layout.order) == (4, 2, 1, "tp-cp-ep-dp-pp")
+    assert layout.groups("ep") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.groups("etp") == layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("etp-ep") == [list(range(8))]
+    assert layout.groups("edp") == [[r] for r in range(8)]
+    assert layout.expert_coords(5) == {"etp": 1, "ep": 2, "edp": 0, "pp": 0}
+    # Megatron's folding: etp 1 under tp 2, ep 4 on 8 ranks -> edp 2.
+    fold = Layout(world_size=8, tp=2, ep=4, etp=1)
+    assert fold.edp == 2
+    assert fold.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert fold.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert fold.groups("etp") == [[r] for r in range(8)]
+
+
+def test_expert_group_of_rank_index_coords_agree_with_groups():
+    layout = Layout(world_size=48, tp=2, cp=3, pp=2, ep=4, etp=1, order="tp-ep-cp-dp-pp", devices_per_node=8)
+    columns = layout.axis_columns(("ep", "etp", "edp"))
+    for key in EXPERT_KEYS:
+        groups = layout.groups(key)
+        for rank in range(48):
+            idx = layout.group_index(rank, key)
+            assert layout.group_of(rank, key) == groups[idx]
+            assert groups[idx][layout.group_rank(rank, key)] == rank
+            assert layout.crossing_group_count(key) == len(layout.crossing_groups(key))
+    for rank in range(48):
+        coords = layout.expert_coords(rank)
+        assert [columns[a][rank] for a in ("ep", "etp", "edp")] == [coords[a] for a in ("ep", "etp", "edp")]
+        assert coords["pp"] == layout.coords(rank)["pp"]
+
+
+def test_equal_signatures_mean_equal_groups():
+    for layout in (Layout(world_size=16, tp=2, cp=2, pp=2, ep=2, etp=2),
+                   Layout(world_size=16, tp=2, cp=2, pp=2, ep=4, etp=1),
+                   Layout(world_size=16, tp=4, ep=2, etp=2, order="tp-cp-dp-ep-pp")):
+        keys = ALL_KEYS + EXPERT_KEYS
+        for a in keys:
+            for b in keys:
+                if layout.signature(a) == layout.signature(b):
+                    assert layout.groups(a) == layout.groups(b), (layout, a, b)
+                elif layout.size(a) > 1 and layout.size(b) > 1:
+                    assert layout.groups(a) != layout.groups(b), (layout, a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"world_size": 8, "ep": 3}, "ep=3 does not fit: etp*ep*pp = 1*3*1 = 3 does not divide world_size=8"),
+        ({"world_size": 8, "tp": 2, "pp": 2, "ep": 4}, "ep=4 does not fit: etp*ep*pp = 2*4*2 = 16"),
+        ({"world_size": 8, "ep": 0}, "ep=0 is invalid"),
+        ({"world_size": 8, "ep": True}, "ep=True is invalid"),
+        ({"world_size": 8, "etp": 0}, "etp=0 is invalid"),
+        ({"world_size": 8, "etp": 2.0}, "etp=2.0 is invalid"),
+        ({"world_size": 16, "cp": 2, "pp": 2, "ep": 4, "order": "tp-cp-ep-pp-dp"},
+         "edp must equal dp"),
+        ({"world_size": 16, "tp": 2, "pp": 2, "ep": 2, "etp": 1, "order": "tp-pp-cp-ep-dp"},
+         "other pipeline groups than the dense ones"),
+    ],
+)
+def test_invalid_expert_layouts_raise_one_line_naming_the_key(kwargs, fragment):
+    with pytest.raises(LayoutError) as info:
+        Layout(**kwargs)
+    message = str(info.value)
+    assert fragment in message and "\n" not in message
+    assert message.split("=")[0] in ("ep", "etp")
+
+
+@pytest.mark.parametrize("key,fragment", [("tp-ep", "mixes dense axis 'tp' with expert axis 'ep'"),
+                                          ("edp-cp", "mixes dense axis 'cp' with expert axis 'edp'"),
+                                          ("ep-xp", "unknown axis 'xp'"), ("ep-ep", "repeats an axis")])
+def test_bad_expert_keys(key, fragment):
+    with pytest.raises(LayoutError, match=fragment):
+        Layout(world_size=8, ep=2).groups(key)
+
+
+def test_order_naming_ep_and_its_default_place():
+    assert parse_order("tp-cp-ep-dp-pp") == ("tp", "cp", "ep", "dp", "pp")
+    layout = Layout(world_size=16, tp=2, ep=2, order="pp-tp-dp-cp")
+    assert layout.order_axes == ("pp", "tp", "ep", "dp", "cp") and layout.axes == ("pp", "tp", "dp", "cp")
+    assert layout == Layout(world_size=16, tp=2, ep=2, order="pp-tp-ep-dp-cp")
+    # ep's place changes the expert groups, never the dense ones.
+    other = Layout(world_size=16, tp=2, ep=2, order="pp-ep-tp-dp-cp")
+    assert other.groups("ep") != layout.groups("ep")
+    assert all(other.groups(k) == layout.groups(k) for k in ALL_KEYS)
+    # ep = 1: where ep sits changes nothing, so the order is spelled with the dense axes.
+    assert Layout(world_size=8, tp=2, order="tp-ep-cp-dp-pp") == Layout(world_size=8, tp=2)
+
+
+def test_expert_layout_files_round_trip_and_keep_ep(tmp_path):
+    from mindscience.distributed.topology.layout_file import layout_to_yaml
+
+    layout = Layout(world_size=64, tp=4, pp=2, ep=8, etp=1, devices_per_node=8, name="e", backend="ascend")
+    path = tmp_path / "e.yaml"
+    path.write_text(layout_to_yaml(layout))
+    assert "ep: 8\netp: 1\norder: tp-cp-ep-dp-pp\n" in path.read_text()
+    assert load_layout(path) == layout
+    for rank in (0, 37, 63):
+        assert load_layout(path).expert_coords(rank) == layout.expert_coords(rank)
