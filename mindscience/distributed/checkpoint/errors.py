@@ -14,3 +14,8 @@ class CheckpointIntegrityError(CheckpointError):
 class CheckpointFormatError(CheckpointError):
     """The directory holds a manifest this msdist cannot read: another format, or a
     format version it does not know (the message names it and the supported ones)."""
+
+
+class CheckpointExpertCountError(CheckpointError):
+    """The checkpoint holds another number of experts than the MoE model loading it (the
+    message names both counts and the fix)."""

@@ -218,10 +218,10 @@ def reshard(directory: str, out: str, layout, progress=None, verify: bool = True
     meta = _new_meta(params, stages, reader.manifest.get("layer_prefixes") or ["layers"])
     plan = {}  # rank -> [(name, piece)]
     for name, entry in params.items():
-        axis = entry["sharding"].get("axis")
+        axis, expert = entry["sharding"].get("axis"), entry["sharding"].get("expert")
         stage = stages[name]
         for rank in range(layout.world_size):
-            if layout.coords(rank)["pp"] == stage and writes(layout, rank, axis):
+            if layout.coords(rank)["pp"] == stage and writes(layout, rank, axis, expert):
                 piece = piece_for(name, entry["shape"], entry["sharding"], layout, rank)
                 plan.setdefault(rank, []).append((name, piece))
     if os.path.exists(str(out)):

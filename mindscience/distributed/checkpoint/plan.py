@@ -40,7 +40,11 @@ from ..topology.layout import Layout
 from .errors import CheckpointError
 
 __all__ = ["layout_from_dict", "piece_for", "local_shape", "writes", "stage_for", "place_stages",
-           "layer_index", "LAYER_RE"]
+           "layer_index", "LAYER_RE", "expert_name", "expert_entries", "EXPERT_AXES", "check_experts"]
+
+# The axes of the expert layers (Megatron's folding: etp x ep x edp x pp over the same
+# ranks as tp x cp x dp x pp); a rank's coordinates on them come from Layout.expert_coords.
+EXPERT_AXES = ("etp", "ep", "edp")
 
 LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
 
@@ -60,12 +64,73 @@ def layer_index(name: str, prefixes=("layers",)):
 
 
 def layout_from_dict(data: dict) -> Layout:
-    keys = ("world_size", "tp", "cp", "dp", "pp", "order")
+    keys = ("world_size", "tp", "cp", "dp", "pp", "order", "ep", "etp")
     return Layout(**{k: data[k] for k in keys if data.get(k) is not None})
 
 
 def _axis_size(layout: Layout, axis) -> int:
-    return 1 if axis is None else getattr(layout, axis)
+    return 1 if axis is None else int(getattr(layout, axis, 1))
+
+
+def _coords(layout: Layout, rank: int, axis=None) -> dict:
+    """The rank's coordinates on the dense axes, or on the expert ones when ``axis`` is one."""
+    if axis in EXPERT_AXES:
+        return layout.expert_coords(rank)
+    return layout.coords(rank)
+
+
+# ------------------------------------------------------------------ experts
+# An expert parameter (``param.expert_parallel``: dim 0 = the ep rank's local experts,
+# ep rank e holding global experts [e*L, (e+1)*L)) is stored as one entry PER GLOBAL
+# EXPERT, ``<head>.<k>.<last>`` (``layers.1.mlp.experts.w1`` -> ``layers.1.mlp.experts.3.w1``),
+# of the parameter's shape without dim 0, split only by its etp mark (its dims shifted by
+# one). Its sharding records ``"expert": {"index": k, "count": E}``. So every entry has at
+# most one split dim (the format's pieces), a checkpoint of any ep loads at any other
+# ep (a rank reads the entries of the experts it holds), and merge gives one tensor per
+# expert.
+
+
+def expert_name(name: str, index: int) -> str:
+    """The checkpoint name of global expert ``index`` of the expert parameter ``name``.
+
+        >>> expert_name("0.layers.1.mlp.experts.w1", 3)
+        '0.layers.1.mlp.experts.3.w1'
+    """
+    head, _, last = name.rpartition(".")
+    return f"{head}.{int(index)}.{last}" if head else f"{int(index)}.{last}"
+
+
+def expert_sharding(sharding: dict, index: int, count: int) -> dict:
+    """The sharding of one expert's entry: the parameter's without its dim 0."""
+    out = dict(sharding)
+    if out.get("axis") is not None:
+        if out.get("partition_dim") in (None, 0):
+            raise CheckpointError(f"an expert parameter split over {out['axis']!r} along dim "
+                                  f"{out.get('partition_dim')!r}: dim 0 holds the local experts "
+                                  "(split over ep); mark the ffn dim instead.")
+        out["partition_dim"] = int(out["partition_dim"]) - 1
+    out["expert"] = {"index": int(index), "count": int(count)}
+    return out
+
+
+def check_experts(name: str, count: int, layout: Layout) -> int:
+    """Local experts per ep rank for ``count`` global experts at ``layout``.
+
+    Raises:
+        CheckpointError: ``ep`` does not divide the expert count.
+    """
+    ep = int(getattr(layout, "ep", 1) or 1)
+    if count % ep:
+        raise CheckpointError(f"parameter {name!r}: {count} experts are not divisible by ep={ep}: "
+                              "every ep rank holds num_experts/ep whole experts. Choose an ep "
+                              f"that divides {count}.")
+    return count // ep
+
+
+def expert_entries(name: str, local_count: int, layout: Layout, rank: int) -> list:
+    """``[(global expert index, checkpoint name)]`` of the ``local_count`` experts ``rank`` holds."""
+    first = layout.expert_coords(rank)["ep"] * int(local_count)
+    return [(first + j, expert_name(name, first + j)) for j in range(int(local_count))]
 
 
 def check_splittable(name: str, global_shape, sharding: dict, layout: Layout) -> None:
@@ -95,7 +160,7 @@ def piece_for(name: str, global_shape, sharding: dict, layout: Layout, rank: int
     check_splittable(name, global_shape, sharding, layout)
     dim = sharding["partition_dim"]
     size = _axis_size(layout, axis)
-    coord = layout.coords(rank)[axis]
+    coord = _coords(layout, rank, axis)[axis] if size > 1 else 0
     ranges, local = [], 0
     for g0, g1 in local_slices(global_shape[dim], size, coord, sharding.get("partition_stride", 1)):
         ranges.append([g0, g1, local])
@@ -123,8 +188,18 @@ def global_shape_from_local(name: str, local, sharding: dict, layout: Layout) ->
     return tuple(shape)
 
 
-def writes(layout: Layout, rank: int, axis) -> bool:
-    """Whether ``rank`` writes (its piece of) a parameter split over ``axis``."""
+def writes(layout: Layout, rank: int, axis, expert: dict | None = None) -> bool:
+    """Whether ``rank`` writes (its piece of) a parameter split over ``axis``.
+
+    ``expert`` (an expert entry's ``{"index", "count"}``): the ep rank holding that
+    expert writes it, from its etp rank(s) (each its piece) of expert-data-parallel rank 0.
+    """
+    if expert is not None:
+        local = check_experts(f"expert {expert['index']}", int(expert["count"]), layout)
+        coords = layout.expert_coords(rank)
+        if coords["ep"] != int(expert["index"]) // local:
+            return False
+        return all(coords[a] == 0 for a in ("etp", "edp") if a != axis)
     coords = layout.coords(rank)
     return all(coords[a] == 0 for a in ("tp", "cp", "dp") if a != axis)
 

@@ -22,7 +22,7 @@ __all__ = ["validate_manifest", "LAYOUT_REQUIRED"]
 LAYOUT_REQUIRED = ("world_size", "tp", "cp", "dp", "pp")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 _HEXN = re.compile(r"^(?:[0-9a-f]{8})*$")
-_AXES = (None, "tp", "cp", "dp")
+_AXES = (None, "tp", "cp", "dp", "etp")
 
 
 def _int(value, minimum=0) -> bool:
@@ -61,8 +61,9 @@ def _layout(c: _Checker, manifest: dict):
                    f'needs each of {", ".join(LAYOUT_REQUIRED)})')
     try:
         kwargs = {k: lay[k] for k in LAYOUT_REQUIRED}
-        if lay.get("order") is not None:
-            kwargs["order"] = lay["order"]
+        for key in ("order", "ep", "etp"):
+            if lay.get(key) is not None:
+                kwargs[key] = lay[key]
         return Layout(**kwargs)
     except LayoutError as err:
         c.fail(f"layout {dict(lay)} is not a valid layout ({err})")
@@ -110,7 +111,14 @@ def _parameter(c: _Checker, name: str, entry, layout, version: int) -> None:
     sharding = c.mapping(entry.get("sharding"), f"{what} sharding")
     axis = sharding.get("axis")
     if axis not in _AXES:
-        c.fail(f"{what}: sharding axis={axis!r}, expected one of tp, cp, dp or null")
+        c.fail(f"{what}: sharding axis={axis!r}, expected one of tp, cp, dp, etp or null")
+    expert = sharding.get("expert")
+    if expert is not None:
+        c.mapping(expert, f"{what} sharding expert")
+        if not (_int(expert.get("count"), 1) and _int(expert.get("index"))
+                and expert["index"] < expert["count"]):
+            c.fail(f"{what}: sharding expert={expert!r}, expected {{'index': k, 'count': E}} "
+                   "with 0 <= k < E")
     if axis is not None:
         if not _int(sharding.get("partition_dim")) or sharding["partition_dim"] >= len(shape):
             c.fail(f"{what}: partition_dim={sharding.get('partition_dim')!r} for shape {shape}")

@@ -37,7 +37,7 @@ from .plan import layer_index
 __all__ = ["partial_dir", "prepare", "write_rank", "finish", "save_arrays", "exchange",
            "LAYOUT_KEYS"]
 
-LAYOUT_KEYS = ("world_size", "tp", "cp", "dp", "pp", "order")
+LAYOUT_KEYS = ("world_size", "tp", "cp", "dp", "pp", "order", "ep", "etp")
 
 
 def _exchanger():
@@ -198,7 +198,8 @@ def save_arrays(directory: str, arrays: dict, layout, shardings: dict = None, st
             for name, array in arrays.items():
                 sharding = shardings.get(name) or {"axis": None, "partition_dim": None,
                                                    "partition_stride": 1, "sequence_parallel": False}
-                if stages.get(name, 0) != stage or not writes(layout, rank, sharding["axis"]):
+                if stages.get(name, 0) != stage or not writes(layout, rank, sharding["axis"],
+                                                               sharding.get("expert")):
                     continue
                 piece = piece_for(name, array.shape, sharding, layout, rank)
                 if piece["dim"] is None:
