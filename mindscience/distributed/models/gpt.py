@@ -46,7 +46,7 @@ from ..group import ParallelGroup
 from ..modules import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ..sharding import mark_sharding
 from .config import TransformerConfig
-from .layers import Dropout, Init, Norm, TransformerLayer
+from .layers import Dropout, Init, MoEBlock, Norm, TransformerLayer
 
 __all__ = ["GPTModel", "sequence_rows"]
 
@@ -232,8 +232,14 @@ def _groups(parallel: bool) -> dict:
     if parallel and manager.is_initialized():
         return {"tp": manager.get_tensor_parallel_group(),
                 "cp": manager.get_context_parallel_group(),
-                "pp": manager.get_pipeline_parallel_group()}
-    return {k: ParallelGroup.trivial(k) for k in ("tp", "cp", "pp")}
+                "pp": manager.get_pipeline_parallel_group(),
+                "experts": {"ep": manager.get_expert_model_parallel_group(),
+                            "etp": manager.get_expert_tensor_parallel_group(),
+                            "dp-cp": manager.get_data_context_parallel_group(),
+                            "etp-ep": manager.get_group("etp-ep")}}
+    groups = {k: ParallelGroup.trivial(k) for k in ("tp", "cp", "pp")}
+    groups["experts"] = None
+    return groups
 
 
 class GPTModel(nn.Cell):
@@ -283,7 +289,7 @@ class GPTModel(nn.Cell):
         self.zigzag = config.context_parallel_method == "ring" and cp > 1
         self.seq_rows = sequence_rows(config.seq_length, cp, self.cp.rank, self.zigzag)
         init = Init(config, seed, _DTYPES[config.precision], self.tp, self.cp,
-                    config.sequence_parallel)
+                    config.sequence_parallel, experts=groups["experts"])
         object.__setattr__(self, "init", init)
         v = cut.virtual_pipeline_stages if pp > 1 else 1
         self.virtual_stages = v
@@ -328,6 +334,9 @@ class GPTModel(nn.Cell):
             self.output_layer = output_layer
         object.__setattr__(self, "chunks", chunks)
         object.__setattr__(self, "loss_fn", _Loss(self.tp))
+        # The MoE layers here, by global index (their statistics: moe_metrics).
+        object.__setattr__(self, "moe_blocks", {i: layers[i].mlp for i in self.layer_indices
+                                                if isinstance(layers[i].mlp, MoEBlock)})
         if config.dropout > 0:
             self._seed_streams()
             self.set_train(True)  # dropout is on while training (set_train(False) turns it off)
@@ -383,6 +392,7 @@ class GPTModel(nn.Cell):
         xs = [ms.Tensor(a) for a in np.split(ids, m, axis=1)]
         ts = [ms.Tensor(a) for a in np.split(tgt, m, axis=1)]
         params = self.trainable_params()
+        self._last_microbatches = m
         if any(getattr(p, "fsdp", None) is not None for p in params):
             from ..fsdp import gather_in_calls
 
@@ -393,12 +403,14 @@ class GPTModel(nn.Cell):
             for chunk in self.chunks:
                 gather_in_calls(chunk)
         if self.pp.size == 1:
+            self._reset_moe(m)
             loss, grads = self._accumulate(xs, ts, mode)
         else:
             from ..pipeline import forward_backward
 
             if mode == "jit":
                 self._compile_stages(xs[0], ts[0])
+            self._reset_moe(m)  # after the compile runs: they count into the buffers too
             stage = self.chunks if sched == "interleaved" else self.chunks[0]
             loss, grads = forward_backward(stage, xs, ts, self.loss_fn, schedule=sched, mode=mode,
                                            group=self.pp)
@@ -408,6 +420,50 @@ class GPTModel(nn.Cell):
         if self.cp.size > 1:
             loss = C.all_reduce(loss, self.cp) / self.cp.size
         return loss, grads
+
+    # ------------------------------------------------------------------ MoE
+    def _reset_moe(self, m: int) -> None:
+        """Zero the MoE layers' step buffers; their aux loss gets the micro-batch weight 1/m."""
+        for block in self.moe_blocks.values():
+            for buf in block.buffers():
+                buf.set_data(ops.zeros(buf.shape, buf.dtype))
+            if float(block.aux_scale.asnumpy()) != 1.0 / m:
+                block.aux_scale.set_data(ms.Tensor(np.float32(1.0 / m)))
+
+    def moe_metrics(self) -> dict:
+        """This rank's MoE statistics of the last :meth:`forward_backward` (numpy, no collective).
+
+        Returns:
+            ``{"layers": [global index], "aux_loss": (n,) the aux loss of each MoE layer
+            here (mean over micro-batches, as it enters the objective), "tokens": (n, E)
+            tokens of this rank's input routed to each expert, summed over the
+            micro-batches, "dropped": (n,) (token, expert) assignments dropped by
+            capacity}``; empty lists for a dense model. Tokens are this rank's: summed
+            over the ranks that hold other tokens (dp, cp, and tp under sequence
+            parallelism) they count the step's (``training.loop.Trainer`` does it).
+        """
+        layers = sorted(self.moe_blocks)
+        m = getattr(self, "_last_microbatches", 1)
+        aux, tokens, dropped = [], [], []
+        for i in layers:
+            block = self.moe_blocks[i]
+            calls = max(float(block.calls.asnumpy()), 1.0)
+            counts = block.tokens.asnumpy().astype(np.float64) * m / calls
+            aux.append(float(block.aux_sum.asnumpy()) / calls)
+            tokens.append(counts[:-1])
+            dropped.append(counts[-1])
+        e = self.config.num_moe_experts or 0
+        return {"layers": layers, "aux_loss": np.array(aux, np.float64),
+                "tokens": np.array(tokens, np.float64).reshape(len(layers), e),
+                "dropped": np.array(dropped, np.float64)}
+
+    def update_expert_bias(self, tokens: dict) -> None:
+        """Aux-loss-free balancing: move each MoE layer's expert bias with ``tokens``
+        ({global layer index: tokens per expert of the step, summed over the
+        data-parallel ranks}); a no-op for layers without ``moe_router_enable_expert_bias``."""
+        for i, block in self.moe_blocks.items():
+            if i in tokens:
+                block.moe.update_expert_bias(ms.Tensor(np.asarray(tokens[i], np.float32)))
 
     def _compile_stages(self, x0, t0):
         """Compile every chunk's forward, backward (and loss) before the pipeline runs.

@@ -31,7 +31,8 @@ from ..random import get_rng_tracker
 from ..sharding import mark_sharding
 from .weights import draw, tp_slice
 
-__all__ = ["Norm", "SelfAttention", "MLP", "TransformerLayer", "rope_tables", "Init", "Dropout"]
+__all__ = ["Norm", "SelfAttention", "MLP", "MoEBlock", "TransformerLayer", "rope_tables", "Init",
+           "Dropout"]
 
 # What ops.dropout draws its seeds with (private MindSpore functions, used in one place).
 _SEED = importlib.import_module("mindspore.common.seed")
@@ -42,9 +43,11 @@ _FORBID_REUSE = importlib.import_module("mindspore.graph.api")._function_forbid_
 class Init:
     """What a block needs to draw its parameters: seed, dtype, groups, the global name prefix."""
 
-    def __init__(self, config, seed: int, dtype, tp, cp, sequence_parallel: bool):
+    def __init__(self, config, seed: int, dtype, tp, cp, sequence_parallel: bool, experts=None):
         self.config, self.seed, self.dtype = config, int(seed), dtype
         self.tp, self.cp = tp, cp
+        # The groups of MoE layers ({"ep", "etp", "dp-cp", "etp-ep"}), None: all of size 1.
+        self.experts = experts
         self.sequence_parallel = bool(sequence_parallel) and tp.size > 1
 
     def full(self, name: str, shape, kind: str) -> np.ndarray:
@@ -265,8 +268,127 @@ class MLP(nn.Cell):
         return self.fc2(y)
 
 
+class _AttachAux(nn.Cell):
+    """``x`` unchanged; in the backward the MoE aux loss gets the gradient ``scale``.
+
+    So the aux loss joins the training objective without travelling with the
+    activations (through pipeline stages, whose transfers carry one tensor): its
+    gradient is what the loss's would be, ``scale`` = the loss's weight of this
+    micro-batch (``1/m``). Megatron's ``MoEAuxLossAutoScaler``.
+    """
+
+    def construct(self, x, aux, scale):
+        return x
+
+    def bprop(self, x, aux, scale, out, dout):
+        return dout, ops.ones_like(aux) * ops.cast(scale, aux.dtype), ops.zeros_like(scale)
+
+
+def _buffer(value, name: str) -> ms.Parameter:
+    """A non-trainable float32 buffer that checkpoints leave out (``checkpoint = False``)."""
+    p = ms.Parameter(ms.Tensor(np.asarray(value, np.float32)), name=name, requires_grad=False)
+    p.checkpoint = False
+    return p
+
+
+def _init_kind(name: str, value: np.ndarray) -> str:
+    """How GPTModel draws a MoE layer's parameter: as the layer initialized it when that is
+    all zeros or ones (biases, norms), else normal; ``output`` for the output projections."""
+    if value.size and not value.any():
+        return "zeros"
+    if value.size and (value == 1).all():
+        return "ones"
+    parts = name.split(".")
+    return "output" if any(p in ("w2", "fc2", "linear_fc2", "down_proj") for p in parts) else "normal"
+
+
+class MoEBlock(nn.Cell):
+    """The MLP of a MoE layer: :class:`~mindscience.distributed.moe.MoELayer` with the
+    model's global weights, its aux loss joined to the objective (:class:`_AttachAux`), and
+    the step's statistics kept in buffers for ``GPTModel.moe_metrics``.
+
+    Buffers (not trainable, not checkpointed), summed over the forward calls of a step
+    (``GPTModel.forward_backward`` resets them): ``aux_sum`` (the aux loss), ``tokens``
+    (tokens this rank routed to each expert, then the dropped assignments) and ``calls``
+    (forwards run: a pipeline stage that recomputes runs two per micro-batch, so the
+    per-micro-batch values are ``sum / calls``).
+    """
+
+    def __init__(self, init: Init, prefix: str):
+        super().__init__()
+        from ..moe import MoEConfig, MoELayer
+
+        groups = init.experts or {}
+        self.config = MoEConfig.from_model(init.config, sequence_parallel=init.sequence_parallel)
+        self.moe = MoELayer(self.config, **_moe_groups(init, groups))
+        self.num_experts = self.config.num_experts
+        _draw_moe(self.moe, init, prefix, groups)
+        self.aux_sum = _buffer(0.0, "aux_sum")
+        self.tokens = _buffer(np.zeros(self.num_experts + 1), "tokens")
+        self.calls = _buffer(0.0, "calls")
+        self.aux_scale = _buffer(1.0, "aux_scale")
+        self.attach = _AttachAux()
+
+    def buffers(self) -> tuple:
+        """``(aux_sum, tokens, calls)``."""
+        return self.aux_sum, self.tokens, self.calls
+
+    def construct(self, x):
+        y, aux, stats = self.moe(x)
+        aux = aux.astype(ms.float32)
+        ops.assign_add(self.aux_sum, ops.stop_gradient(aux))
+        ops.assign_add(self.tokens, ops.stop_gradient(stats.astype(ms.float32)))
+        ops.assign_add(self.calls, ops.ones((), ms.float32))
+        return self.attach(y, aux, self.aux_scale)
+
+
+def _moe_groups(init: Init, groups: dict) -> dict:
+    """MoELayer's group arguments: the model's tp and cp groups and the expert ones
+    (``groups``: ep, etp, dp-cp, etp-ep), trivial when the model is built dense."""
+    from ..group import ParallelGroup
+
+    def get(key):
+        return groups.get(key) or ParallelGroup.trivial(key)
+
+    return {"ep_group": get("ep"), "etp_group": get("etp"), "tp_group": init.tp,
+            "dp_cp_group": get("dp-cp"), "cp_group": init.cp, "dispatch_group": get("etp-ep")}
+
+
+def _draw_moe(moe, init: Init, prefix: str, groups: dict) -> None:
+    """Set every trainable parameter of ``moe`` to this rank's slice of its global tensor
+    drawn by global name (``<prefix>.<path>``, :mod:`.weights`): expert parameters
+    (``expert_parallel``) hold experts ``[ep_rank * L, (ep_rank + 1) * L)`` on dim 0, and a
+    dim marked ``etp`` or ``tp`` is split as :func:`.weights.tp_slice` splits it."""
+    from ..sharding import get_sharding
+
+    sizes = {"tp": init.tp, "etp": groups.get("etp"), "ep": groups.get("ep")}
+    for path, param in moe.parameters_and_names():
+        if not param.requires_grad:
+            continue  # buffers (the expert bias) keep the layer's values
+        local = param.astype(ms.float32).asnumpy()
+        shape = list(local.shape)
+        sh = get_sharding(param)
+        ep = sizes["ep"]
+        expert = bool(getattr(param, "expert_parallel", False)) and ep is not None
+        if expert:
+            shape[0] *= ep.size
+        group = sizes.get(sh["axis"]) if sh["axis"] else None
+        if group is not None:
+            shape[sh["partition_dim"]] *= group.size
+        full = init.full(f"{prefix}.{path}", shape, _init_kind(path, local))
+        if expert:
+            n = local.shape[0]
+            full = full[ep.rank * n:(ep.rank + 1) * n]
+        if group is not None:
+            full = tp_slice(full, sh["partition_dim"], group.rank, group.size, sh["partition_stride"])
+        param.set_data(init.tensor(full))
+
+
 class TransformerLayer(nn.Cell):
-    """Pre-norm layer: ``x + attention(norm(x))``, then ``+ mlp(norm(.))`` (and hidden dropout)."""
+    """Pre-norm layer: ``x + attention(norm(x))``, then ``+ mlp(norm(.))`` (and hidden dropout).
+
+    The mlp is a :class:`MoEBlock` in the layers ``config.is_moe_layer(index)`` names.
+    """
 
     def __init__(self, init: Init, index: int, positions: np.ndarray, load_balance: bool):
         super().__init__()
@@ -274,7 +396,8 @@ class TransformerLayer(nn.Cell):
         self.input_norm = Norm(init, prefix + ".input_norm")
         self.attention = SelfAttention(init, prefix + ".attention", positions, load_balance)
         self.post_attention_norm = Norm(init, prefix + ".post_attention_norm")
-        self.mlp = MLP(init, prefix + ".mlp")
+        moe = getattr(init.config, "num_moe_experts", None) and init.config.is_moe_layer(index)
+        self.mlp = MoEBlock(init, prefix + ".mlp") if moe else MLP(init, prefix + ".mlp")
         # The outputs of the row-parallel projections: this rank's rows under sequence
         # parallelism (the tp stream), else the same on every tp rank (the default one).
         self.attention_dropout = Dropout(init.config.dropout, init.sequence_parallel)
