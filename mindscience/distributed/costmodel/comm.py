@@ -49,6 +49,7 @@ from .params import model_stage_layers, rank_layers, stage_counts
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 GROUPS = ("tp", "cp", "pp", "dp-cp")
+EXPERT_GROUPS = ("ep", "etp", "edp")  # keys of the topology's expert groups (issue 36)
 
 
 def send_factor(op: str, n: int) -> float:
@@ -130,16 +131,48 @@ def cp_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, passes: 
     return [_row("cp", "send_recv", cp, shifts, round(sent))]
 
 
+def moe_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, ep: int, etp: int, passes: float,
+             again: float) -> list[dict]:
+    """The token dispatch of ``passes`` MoE-layer passes (x micro-batches) and ``again`` re-runs.
+
+    Per MoE layer and micro-batch a rank sends its ``s/cp * b / tp`` tokens to ``topk``
+    experts each (``x moe_imbalance`` on the busiest rank): the alltoall dispatcher's four
+    all-to-alls over ep (dispatch and combine, forward and backward) of ``tokens * topk * h``
+    values (sent: ``(ep - 1)/ep`` of them), and with ``etp > 1`` an all-gather after the
+    dispatch and a reduce-scatter before the combine (and their backward twins) over etp
+    of the ``etp`` times larger gathered rows. A re-run forward adds one dispatch and one
+    combine of each.
+    """
+    if not model.is_moe or passes == 0:
+        return []
+    nbytes = BYTES[training.precision]["activation"]
+    rows_sent = model.seq_length // cp * training.micro_batch_size / tp * model.moe_router_topk
+    message = rows_sent * model.hidden_size * nbytes * training.moe_imbalance
+    out = []
+    if ep > 1:
+        count = round((4 + 2 * again) * passes)
+        out.append(_row("ep", "all_to_all", ep, count, round(count * message)))
+    if etp > 1:
+        for op in ("all_gather", "reduce_scatter"):
+            count = round((2 + again) * passes)
+            out.append(_row("etp", op, etp, count, round(count * message * etp)))
+    return out
+
+
 def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
-            runtime=None, stage: int | None = None) -> list[dict]:
+            runtime=None, stage: int | None = None, ep: int = 1, etp: int | None = None) -> list[dict]:
     """Rows ``{group, op, group_size, count, message_bytes, bytes}`` for the busiest rank.
 
     Layout-order independent: where ranks sit (and so which link carries them) is added
     by :func:`timed`. ``runtime`` (:func:`~.runtime.what_runs`) adds the pipeline
     runtime's re-run forwards. ``stage``: the pipeline rank whose tp/cp traffic is
     counted (default: the one with the most layers; ``step_time`` passes the rank with
-    the most compute, :func:`~.steptime.stage_slot_flops`).
+    the most compute, :func:`~.steptime.stage_slot_flops`). ``ep``, ``etp`` (None: tp):
+    the expert axes of a MoE model, which add the ``ep``/``etp`` dispatch rows
+    (:func:`moe_rows`) and the ``edp`` rows of the expert gradients (:func:`zero_traffic`
+    over the expert data-parallel group).
     """
+    etp = tp if etp is None else etp
     h, b = model.hidden_size, training.micro_batch_size
     nbytes = BYTES[training.precision]
     local = model.seq_length // cp
@@ -155,17 +188,25 @@ def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int,
             count = round((per_layer + 2 * again) * passes)
             rows.append(_row("tp", op, tp, count, count * activation))
     rows += cp_rows(model, training, tp, cp, passes, again)
+    if model.is_moe:
+        from .params import rank_moe_layers
+
+        rows += moe_rows(model, training, tp, cp, ep, etp,
+                         rank_moe_layers(model, training, pp)[stage] * microbatches, again)
     if pp > 1:
         # A middle stage sends both ways; with v model chunks per rank every chunk boundary sends.
         sends = microbatches * (2 if pp > 2 else 1) * training.virtual_pipeline_stages
         rows.append(_row("pp", "send_recv", pp, sends, sends * (activation // (tp if sp else 1))))
-    rows += zero_traffic(model, training, tp, pp, dp * cp, microbatches,
-                         runtime is not None and runtime.stage_recompute and pp > 1)
+    regather = runtime is not None and runtime.stage_recompute and pp > 1
+    rows += zero_traffic(model, training, tp, pp, dp * cp, microbatches, regather)
+    if model.is_moe:
+        edp = tp * cp * pp * dp // (etp * ep * pp)
+        rows += zero_traffic(model, training, tp, pp, edp, microbatches, regather, experts=(etp, ep))
     return rows
 
 
 def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: int, microbatches: int,
-                 regather: bool = False) -> list[dict]:
+                 regather: bool = False, experts: tuple | None = None) -> list[dict]:
     """The dp-cp rows of the pipeline rank with the most parameters, at the training's ZeRO stage.
 
     Stage 0 all-reduces the fp32 gradients once per step (bucketed: one call); stages 1-2
@@ -182,17 +223,26 @@ def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: 
     """
     if d <= 1:
         return []
-    params, shard, tensors = max(stage_counts(model, tp, pp, d, training))
+    group = "dp-cp"
+    if experts is not None:  # (etp, ep): the routed experts over their data-parallel group edp
+        from .params import stage_expert_counts
+
+        group = "edp"
+        params, shard, tensors = max(stage_expert_counts(model, training, pp, *experts, d))
+        if not params:
+            return []
+    else:
+        params, shard, tensors = max(stage_counts(model, tp, pp, d, training))
     padded = d * shard  # the all-gathered / reduce-scattered buffer
     w = BYTES[training.precision]["weights"]
     if training.zero_stage == 0:
-        return [_row("dp-cp", "all_reduce", d, 1, params * GRADIENT_BYTES)]
+        return [_row(group, "all_reduce", d, 1, params * GRADIENT_BYTES)]
     if training.zero_stage < 3:
-        return [_row("dp-cp", "reduce_scatter", d, 1, padded * GRADIENT_BYTES),
-                _row("dp-cp", "all_gather", d, 1, padded * w)]
+        return [_row(group, "reduce_scatter", d, 1, padded * GRADIENT_BYTES),
+                _row(group, "all_gather", d, 1, padded * w)]
     gathers = 2 if regather else 1
-    return [_row("dp-cp", "all_gather", d, gathers * tensors * microbatches, gathers * microbatches * padded * w),
-            _row("dp-cp", "reduce_scatter", d, tensors * microbatches, microbatches * padded * w)]
+    return [_row(group, "all_gather", d, gathers * tensors * microbatches, gathers * microbatches * padded * w),
+            _row(group, "reduce_scatter", d, tensors * microbatches, microbatches * padded * w)]
 
 
 def timed(rows: list[dict], crossing: dict, cluster: ClusterSpec) -> dict:
@@ -217,6 +267,14 @@ def timed(rows: list[dict], crossing: dict, cluster: ClusterSpec) -> dict:
     return {"per_step": per_step, "est_time_s": sum(by_group.values(), 0.0), "bottleneck": bottleneck}
 
 
-def crossing_flags(layout) -> dict:
-    """``{group key: any group spans nodes}`` for the keys that carry traffic (from the topology)."""
-    return {key: layout.crossing_group_count(key) > 0 for key in GROUPS}
+def crossing_flags(layout, experts: bool = False) -> dict:
+    """``{group key: any group spans nodes}`` for the keys that carry traffic (from the topology).
+
+    ``experts``: also the expert keys ``ep``, ``etp`` and ``edp`` (a MoE model), read from
+    the layout's expert groups (an all-to-all over an ep group that spans nodes is priced on
+    the inter-node bandwidth).
+    """
+    flags = {key: layout.crossing_group_count(key) > 0 for key in GROUPS}
+    if experts:
+        flags.update({key: layout.crossing_group_count(key) > 0 for key in EXPERT_GROUPS})
+    return flags

@@ -25,7 +25,50 @@ def _divisors(n: int, limit: int = 8) -> str:
     return shown + (", ..." if len(found) > limit else "")
 
 
-def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int) -> list[tuple[str, str]]:
+def expert_violations(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, ep: int = 1,
+                      etp: int | None = None) -> list[tuple[str, str]]:
+    """The expert-parallel constraints of ``ep`` and ``etp`` (None: tp), as :func:`violations`.
+
+    * ``num_moe_experts % ep``: every expert-parallel rank holds whole experts (and a dense
+      model has no experts to split: ep must be 1);
+    * ``moe_ffn_hidden_size % etp``: expert tensor parallelism splits each expert's width;
+    * ``moe_shared_expert_intermediate_size % tp``: the shared experts split like the MLP;
+    * ``world % (etp*ep*pp)``: the expert layers fold over the same ranks as ``etp x ep x edp x pp``.
+    """
+    etp = tp if etp is None else etp
+    found = []
+
+    def add(name: str, message: str) -> None:
+        found.append((name, f"{name} fails: {message}"))
+
+    experts = model.num_moe_experts
+    if experts is None:
+        if ep > 1 or etp != tp:
+            add("num_moe_experts % ep", f"ep={ep}, etp={etp} split experts, but the model is dense (no "
+                "num_moe_experts): use ep=1 and leave etp out, or set model.num_moe_experts.")
+        return found
+    if experts % ep:
+        add("num_moe_experts % ep", f"num_moe_experts={experts} is not divisible by ep={ep}: every expert-parallel "
+            f"rank holds the same number of whole experts. Use an ep that divides {experts} ({_divisors(experts)}).")
+    if model.moe_ffn_hidden_size % etp:
+        add("moe_ffn_hidden_size % etp", f"moe_ffn_hidden_size={model.moe_ffn_hidden_size} is not divisible by "
+            f"etp={etp}: expert tensor parallelism splits each expert's width. Use an etp that divides "
+            f"{model.moe_ffn_hidden_size} ({_divisors(model.moe_ffn_hidden_size)}).")
+    shared = model.moe_shared_expert_intermediate_size
+    if shared and shared % tp:
+        add("moe_shared_expert_intermediate_size % tp", f"moe_shared_expert_intermediate_size={shared} is not "
+            f"divisible by tp={tp}: the shared experts are split over tp like the MLP. Use a tp that divides "
+            f"{shared} ({_divisors(shared)}).")
+    world = tp * cp * pp * dp
+    if world % (etp * ep * pp):
+        add("world % (etp*ep*pp)", f"etp*ep*pp = {etp}*{ep}*{pp} = {etp * ep * pp} does not divide the world of "
+            f"{world} ranks: the expert layers fold over the same ranks as etp x ep x edp x pp. Use an ep and "
+            f"etp whose product divides {world // pp}.")
+    return found
+
+
+def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
+               ep: int = 1, etp: int | None = None) -> list[tuple[str, str]]:
     """Every constraint the sizes break, as ``(name, message)`` pairs (empty: all hold).
 
     The constraints (each message says why it exists and how to fix it):
@@ -42,7 +85,8 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
     * ``seq_length % (tp*cp)`` with sequence parallelism (else ``seq_length % cp``);
     * ``global_batch_size % (micro_batch_size*dp)`` when the global batch is given;
     * with ``virtual_pipeline_stages`` v > 1 and pp > 1 (interleaved 1F1B):
-      ``num_layers % (pp*virtual_pipeline_stages)`` and ``microbatches % pp (interleaved)``.
+      ``num_layers % (pp*virtual_pipeline_stages)`` and ``microbatches % pp (interleaved)``;
+    * the expert axes ``ep``, ``etp`` of a MoE model (:func:`expert_violations`).
     """
     a, g = model.num_attention_heads, model.num_query_groups
     ulysses = training.context_parallel_method == "ulysses"
@@ -111,6 +155,8 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
             add("microbatches % pp (interleaved)", f"{m} micro-batches per step are not divisible by pp={pp}: "
                 "the interleaved schedule runs micro-batches in groups of pp. Use a global_batch_size that "
                 f"gives a multiple of {pp} micro-batches per dp rank, or virtual_pipeline_stages: 1.")
+    if model.is_moe or ep > 1 or (etp is not None and etp != tp):
+        found += expert_violations(model, tp, cp, pp, dp, ep, etp)
     return found
 
 
@@ -121,7 +167,9 @@ def check(model: ModelSpec, training: TrainingSpec, layout, source: str | None =
         ModelConstraintError: with the constraint's name and a message prefixed by
             ``source`` (the model or layout file) when given.
     """
-    broken = violations(model, training, layout.tp, layout.cp, layout.pp, layout.dp)
+    # ep/etp: the layout's expert axes (issue 36's topology; a layout without them is ep 1, etp tp).
+    broken = violations(model, training, layout.tp, layout.cp, layout.pp, layout.dp,
+                        getattr(layout, "ep", 1), getattr(layout, "etp", None))
     if broken:
         name, message = broken[0]
         where = f"{source}: " if source else ""

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .params import (embedding_parameters, layer_parameters, mlp_fc1_width, model_stage_layers, rank_layers,
-                     stage_counts, stage_parameters, total_parameters)
+from .params import (embedding_parameters, expert_fc1_width, layer_parameters, mlp_fc1_width, model_stage_layers,
+                     rank_layers, rank_moe_layers, stage_counts, stage_expert_counts, stage_parameters,
+                     total_parameters)
 from .spec import ModelSpec, TrainingSpec
 
 __all__ = ["embedding_parameters", "layer_parameters", "stage_parameters", "total_parameters",
@@ -46,6 +47,7 @@ ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 TOKEN_ID_BYTES = 8  # int64 input ids
 LOGIT_BYTES = 4  # the cross-entropy keeps fp32 logits
 MASK_BYTES = 1  # a dropout mask element
+ROUTER_BYTES = 4  # the router's logits and probabilities are kept in fp32
 
 
 def bytes_per_parameter(precision: str, zero_stage: int, d: int) -> dict:
@@ -110,6 +112,45 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp
         # (the library has no attention dropout, so Korthikanti's mask and dropped copy are not there).
         total += 2 * nbytes * a * model.seq_length * local * b // tp
     return total
+
+
+def dispatched_tokens(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, etp: int) -> float:
+    """(token, expert) rows one rank's experts process per MoE layer and micro-batch, on the busiest rank.
+
+    A rank routes its ``s/cp * b / tp`` tokens (sequence parallelism shards them over tp) to
+    ``topk`` experts each; balanced over the ``ep`` ranks it receives as many as it sent,
+    and the etp all-gather brings the etp ranks' together: ``s/cp * b / tp * topk * etp``,
+    times ``training.moe_imbalance`` (>= 1: the busiest rank's load over the mean).
+    """
+    tokens = model.seq_length // cp * training.micro_batch_size / tp
+    return tokens * model.moe_router_topk * etp * training.moe_imbalance
+
+
+def moe_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int,
+                               etp: int | None = None) -> int:
+    """Activation bytes a MoE layer keeps per micro-batch on one rank.
+
+    The dense layer's (:func:`layer_activation_bytes`) with its MLP term replaced by
+    the shared experts' (the same formula at width ``moe_shared_expert_intermediate_size``,
+    nothing without them), plus the routed experts' on their ``R`` dispatched rows
+    (:func:`dispatched_tokens`): the permuted input and the expert output ``2 h``, ``w1``'s
+    output ``F_e / etp`` and ``w2``'s input ``f_e / etp`` per row, ``R (2h + (F_e + f_e)/etp)``
+    values, and the router's fp32 logits and probabilities ``2 * 4 * E`` bytes per local
+    token. Full recomputation keeps only the layer input, as for a dense layer.
+    """
+    etp = tp if etp is None else etp
+    dense = layer_activation_bytes(model, training, tp, cp)
+    if training.recompute == "full":
+        return dense
+    nbytes = BYTES[training.precision]["activation"]
+    local = model.seq_length // cp * training.micro_batch_size
+    shared = model.moe_shared_expert_intermediate_size or 0
+    shared_mlp = (2 if model.activation == "swiglu" else 1) * shared + shared
+    mlp_delta = nbytes * local * (mlp_fc1_width(model) + model.ffn_hidden_size - shared_mlp)
+    rows = dispatched_tokens(model, training, tp, cp, etp)
+    experts = nbytes * rows * (2 * model.hidden_size + (expert_fc1_width(model) + model.moe_ffn_hidden_size) / etp)
+    router = 2 * ROUTER_BYTES * local / tp * model.num_moe_experts
+    return round(dense - mlp_delta / tp + experts + router)
 
 
 def ring_attention(training: TrainingSpec, cp: int) -> bool:
@@ -212,7 +253,7 @@ def stage_input_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int
 
 
 def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
-               communicator_bytes: int = 0, runtime=None) -> list[dict]:
+               communicator_bytes: int = 0, runtime=None, ep: int = 1, etp: int | None = None) -> list[dict]:
     """One memory row per pipeline rank (the JSON ``memory.stages``), in bytes per rank.
 
     Weights, gradients and optimizer state follow :func:`bytes_per_parameter` (contract
@@ -225,11 +266,25 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
     (token ids on the first stage) and the activations of one micro-batch of its largest
     chunk while that chunk's re-run forward and backward run; without it, Korthikanti's
     layers x micro-batches in flight.
+
+    Mixture of experts (``ep``, ``etp``; etp None = tp): the routed experts of a rank's
+    MoE layers (:func:`~.params.stage_expert_counts`, ``E/ep`` experts of width
+    ``f_e/etp``) add their weights, gradients and optimizer state, sharded at ZeRO stages
+    1-3 over the expert data-parallel group ``edp = world / (etp * ep * pp)`` (not dp-cp);
+    ``expert_parameters``/``expert_bytes`` say how much of the row they are. A MoE layer's
+    activations are :func:`moe_layer_activation_bytes` (the stage's layers in flight are
+    priced at the mean of its dense and MoE layers).
     """
     w = BYTES[training.precision]["weights"]
     stage_z, d = training.zero_stage, dp * cp
+    etp = tp if etp is None else etp
+    world = tp * cp * pp * dp
+    edp = max(1, world // (etp * ep * pp))
+    experts = stage_expert_counts(model, training, pp, etp, ep, edp)
+    moe_per_rank = rank_moe_layers(model, training, pp)
+    moe_layer = moe_layer_activation_bytes(model, training, tp, cp, etp) if model.is_moe else 0
     main = MAIN_WEIGHT_BYTES if stage_z >= 1 or w != MAIN_WEIGHT_BYTES else 0
-    layer = layer_activation_bytes(model, training, tp, cp)
+    dense_layer = layer_activation_bytes(model, training, tp, cp)
     first, last = edge_activation_bytes(model, training, tp, cp)
     ids = TOKEN_ID_BYTES * model.seq_length // cp * training.micro_batch_size
     working = working_set_bytes(model, training, tp, cp)
@@ -244,12 +299,15 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
         params, sharded, _ = counts[stage]
         flying = in_flight(pp, stage, m)
         mine = per_rank[stage]
+        moe = moe_per_rank[stage]
+        # The stage's layers priced at the mean of its dense and MoE layers.
+        layer = dense_layer if not moe else (dense_layer * (mine - moe) + moe_layer * moe) / mine
         if recomputing:
             chunks = layers_in_flight(v, pp, stage, m, v)  # chunk inputs held
             inputs = flying * ids + (chunks - flying) * stage_input_bytes(model, training, tp, cp) \
                 if stage == 0 else chunks * stage_input_bytes(model, training, tp, cp)
             largest = max(chunk_layers[stage::pp])
-            activations = round(inputs) + largest * layer + (working if largest else 0)
+            activations = round(inputs + largest * layer) + (working if largest else 0)
             activations += first - ids if stage == 0 else 0  # the embedding's own, one micro-batch
         else:
             held = layers_in_flight(mine, pp, stage, m, v)
@@ -257,19 +315,26 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
             activations += first * flying if stage == 0 else 0
         if stage == pp - 1:
             activations += last
+        e_params, e_sharded, _ = experts[stage]
+        expert_bytes = (w * (e_sharded if stage_z >= 3 else e_params)
+                        + GRADIENT_BYTES * (e_sharded if stage_z >= 2 else e_params)
+                        + (ADAM_MOMENT_BYTES + main) * (e_sharded if stage_z >= 1 else e_params))
         row = {
             "stage": stage,
             "layers": mine,
-            "parameters": params,
+            "parameters": params + e_params,
             "zero_stage": stage_z,
-            "weights_bytes": w * (sharded if stage_z >= 3 else params),
-            "gradients_bytes": GRADIENT_BYTES * (sharded if stage_z >= 2 else params),
-            "optimizer_bytes": (ADAM_MOMENT_BYTES + main) * (sharded if stage_z >= 1 else params),
+            "weights_bytes": w * ((sharded + e_sharded) if stage_z >= 3 else (params + e_params)),
+            "gradients_bytes": GRADIENT_BYTES * ((sharded + e_sharded) if stage_z >= 2 else (params + e_params)),
+            "optimizer_bytes": (ADAM_MOMENT_BYTES + main) * ((sharded + e_sharded) if stage_z >= 1
+                                                             else (params + e_params)),
             "activations_bytes": activations,
-            "gathered_bytes": gathered_bytes(model, training, tp, params),
+            "gathered_bytes": gathered_bytes(model, training, tp, params + e_params),
             "communicator_bytes": communicator_bytes,
             "microbatches_in_flight": flying,
         }
+        if model.is_moe:
+            row.update({"moe_layers": moe, "expert_parameters": e_params, "expert_bytes": expert_bytes})
         row["total_bytes"] = sum(row[k] for k in (
             "weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "gathered_bytes",
             "communicator_bytes"))

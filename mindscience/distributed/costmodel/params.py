@@ -56,9 +56,18 @@ def mlp_fc1_width(model: ModelSpec) -> int:
     return (2 if model.activation == "swiglu" else 1) * model.ffn_hidden_size
 
 
-def layer_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[tuple, bool]]:
-    """``[(local shape, split over tp)]`` of one layer's parameters on a tp rank (table above)."""
+def layer_shapes(model: ModelSpec, tp: int = 1, moe: bool = False) -> list[tuple[tuple, bool]]:
+    """``[(local shape, split over tp)]`` of one layer's parameters on a tp rank (table above).
+
+    ``moe``: a MoE layer's dense parameters: its MLP is the router ``(E, h)`` (replicated,
+    no bias) and, with ``moe_shared_expert_intermediate_size``, the shared experts as a dense
+    MLP of that width (split over tp like the MLP, biases when ``model.bias``); the routed
+    experts are :func:`expert_shapes` (split over etp x ep, not tp).
+    """
     h, f, fc1 = model.hidden_size, model.ffn_hidden_size, mlp_fc1_width(model)
+    if moe:
+        f = model.moe_shared_expert_intermediate_size or 0
+        fc1 = (2 if model.activation == "swiglu" else 1) * f
     qkv = h + 2 * model.num_query_groups * model.kv_channels
     norm = [((h,), False)] * (2 if model.normalization == "layernorm" else 1)
     shapes = list(norm)
@@ -69,6 +78,10 @@ def layer_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[tuple, bool]]:
     if model.bias:
         shapes.append(((h,), False))
     shapes += norm
+    if moe:
+        shapes.append(((model.num_moe_experts, h), False))  # the router
+        if not f:
+            return shapes
     shapes.append(((fc1 // tp, h), True))
     if model.bias:
         shapes.append(((fc1 // tp,), True))
@@ -78,7 +91,52 @@ def layer_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[tuple, bool]]:
     return shapes
 
 
-def layer_parameters(model: ModelSpec) -> tuple[int, int]:
+def expert_fc1_width(model: ModelSpec) -> int:
+    """Output features of an expert's ``w1``: ``f_e`` (gelu) or ``2 f_e`` (swiglu), ``f_e = moe_ffn_hidden_size``."""
+    return (2 if model.activation == "swiglu" else 1) * model.moe_ffn_hidden_size
+
+
+def expert_shapes(model: ModelSpec, etp: int = 1, ep: int = 1) -> list[tuple[tuple, bool]]:
+    """The routed experts of one MoE layer on one rank (contract D): ``w1 (E/ep, h, F_e/etp)``
+    and ``w2 (E/ep, f_e/etp, h)``, no biases; empty for a dense model."""
+    if not model.is_moe:
+        return []
+    local, h = model.num_moe_experts // ep, model.hidden_size
+    return [((local, h, expert_fc1_width(model) // etp), True), ((local, model.moe_ffn_hidden_size // etp, h), True)]
+
+
+def expert_parameters(model: ModelSpec) -> int:
+    """Routed-expert parameters of one MoE layer, ``E * (h F_e + f_e h)`` (0 when dense)."""
+    return sum(prod(shape) for shape, _ in expert_shapes(model))
+
+
+def moe_layer_indices(model: ModelSpec, first: int, count: int) -> int:
+    """MoE layers among the ``count`` layers starting at layer ``first``."""
+    return sum(model.moe_layers[first:first + count])
+
+
+def rank_moe_layers(model: ModelSpec, training: TrainingSpec | None, pp: int) -> list[int]:
+    """MoE layers each pipeline rank holds (all its model chunks; all zero for a dense model)."""
+    if not model.is_moe:
+        return [0] * pp
+    chunks = model_stage_layers(model, training, pp)
+    starts = [sum(chunks[:k]) for k in range(len(chunks))]
+    out = [0] * pp
+    for k, (start, n) in enumerate(zip(starts, chunks)):
+        out[k % pp] += moe_layer_indices(model, start, n)
+    return out
+
+
+def active_parameters(model: ModelSpec) -> int:
+    """Parameters one token uses: :func:`total_parameters` with ``topk`` of the ``E`` routed
+    experts per MoE layer (the "active" count model cards publish)."""
+    if not model.is_moe:
+        return total_parameters(model)
+    unused = model.num_moe_layers * expert_parameters(model) * (model.num_moe_experts - model.moe_router_topk)
+    return total_parameters(model) - unused // model.num_moe_experts
+
+
+def layer_parameters(model: ModelSpec, moe: bool = False) -> tuple[int, int]:
     """One layer's parameters as ``(split over tp, replicated on every tp rank)``, whole-model counts.
 
     Split: QKV ``h (h + 2gd)``, output projection ``h^2``, MLP ``h F + f h`` and, with
@@ -86,8 +144,9 @@ def layer_parameters(model: ModelSpec) -> tuple[int, int]:
     biases ``2h``. With the GPT defaults (``g = a``, ``f = 4h``) the sum is Narayanan's
     ``12h^2 + 13h``.
     """
-    split = sum(prod(shape) for shape, is_split in layer_shapes(model) if is_split)
-    return split, sum(prod(shape) for shape, is_split in layer_shapes(model) if not is_split)
+    shapes = layer_shapes(model, moe=moe)
+    split = sum(prod(shape) for shape, is_split in shapes if is_split)
+    return split, sum(prod(shape) for shape, is_split in shapes if not is_split)
 
 
 def embedding_parameters(model: ModelSpec) -> tuple[int, int]:
@@ -103,10 +162,17 @@ def output_parameters(model: ModelSpec) -> int:
 
 
 def total_parameters(model: ModelSpec) -> int:
-    """All parameters: layers, embeddings, the final norm and an untied output layer."""
+    """All parameters: layers, embeddings, the final norm and an untied output layer.
+
+    A MoE layer counts its dense part (:func:`layer_shapes` with ``moe``) and its routed
+    experts (:func:`expert_parameters`).
+    """
     words, positions = embedding_parameters(model)
-    return (model.num_layers * sum(layer_parameters(model)) + words + positions
-            + norm_parameters(model) + output_parameters(model))
+    moe = model.num_moe_layers
+    layers = (model.num_layers - moe) * sum(layer_parameters(model))
+    if moe:
+        layers += moe * (sum(layer_parameters(model, moe=True)) + expert_parameters(model))
+    return layers + words + positions + norm_parameters(model) + output_parameters(model)
 
 
 def _training(training: TrainingSpec | None) -> TrainingSpec:
@@ -155,7 +221,9 @@ def stage_shapes(model: ModelSpec, tp: int, pp: int, stage: int,
                  training: TrainingSpec | None = None) -> list[tuple[tuple, bool, int]]:
     """``[(local shape, split over tp, how many)]`` of every parameter pipeline rank ``stage`` holds."""
     layers = rank_layers(model, training, pp)[stage]
-    out = [(shape, split, layers) for shape, split in layer_shapes(model, tp)] if layers else []
+    moe = rank_moe_layers(model, training, pp)[stage]
+    out = [(shape, split, layers - moe) for shape, split in layer_shapes(model, tp)] if layers - moe else []
+    out += [(shape, split, moe) for shape, split in layer_shapes(model, tp, moe=True)] if moe else []
     return out + _edge_shapes(model, tp, pp, stage)
 
 
@@ -184,14 +252,34 @@ def stage_counts(model: ModelSpec, tp: int, pp: int, d: int,
     The same counts as :func:`stage_shapes` with :func:`sharded_elements`, one layer's
     shapes computed once (``suggest`` asks for every rank of thousands of sizes).
     """
-    layer = [(shape, split, 1) for shape, split in layer_shapes(model, tp)]
-    one = (sum(prod(shape) for shape, _, _ in layer), sharded_elements(layer, d), len(layer))
+    def counts(moe: bool) -> tuple:
+        layer = [(shape, split, 1) for shape, split in layer_shapes(model, tp, moe)]
+        return sum(prod(shape) for shape, _, _ in layer), sharded_elements(layer, d), len(layer)
+
+    one = counts(False)
+    moe_one = counts(True) if model.is_moe else (0, 0, 0)
     out = []
-    for stage, layers in enumerate(rank_layers(model, training, pp)):
+    for stage, (layers, moe) in enumerate(zip(rank_layers(model, training, pp), rank_moe_layers(model, training, pp))):
         edges = _edge_shapes(model, tp, pp, stage)
-        out.append((layers * one[0] + sum(prod(shape) for shape, _, _ in edges),
-                    layers * one[1] + sharded_elements(edges, d), layers * one[2] + len(edges)))
+        dense = layers - moe
+        out.append((dense * one[0] + moe * moe_one[0] + sum(prod(shape) for shape, _, _ in edges),
+                    dense * one[1] + moe * moe_one[1] + sharded_elements(edges, d),
+                    dense * one[2] + moe * moe_one[2] + len(edges)))
     return out
+
+
+def stage_expert_counts(model: ModelSpec, training: TrainingSpec | None, pp: int, etp: int, ep: int,
+                        edp: int) -> list[tuple[int, int, int]]:
+    """``(expert parameters, padded shard elements over edp, tensors)`` of every pipeline rank.
+
+    The routed experts of the rank's MoE layers, ``E/ep`` experts of width ``f_e/etp``
+    (:func:`expert_shapes`), their ZeRO shards cut on dim 0 (the local experts) over the
+    expert data-parallel group ``edp`` as contract C1 cuts every parameter. All zero for a
+    dense model.
+    """
+    shapes = [(shape, True, 1) for shape, _ in expert_shapes(model, etp, ep)]
+    one = (sum(prod(shape) for shape, _, _ in shapes), sharded_elements(shapes, edp), len(shapes))
+    return [(n * one[0], n * one[1], n * one[2]) for n in rank_moe_layers(model, training, pp)]
 
 
 def stage_parameters(model: ModelSpec, tp: int, pp: int, stage: int,

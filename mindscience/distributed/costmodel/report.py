@@ -22,6 +22,7 @@ from .comm import crossing_flags, timed, traffic
 from .constraints import check
 from .errors import ModelError
 from .memory import num_microbatches, pipeline_bubble, stage_rows, total_parameters
+from .params import active_parameters
 from .params import rank_layers
 from .runtime import what_runs
 from .spec import Workload
@@ -35,6 +36,40 @@ MIB = 1024**2
 def communicator_bytes(layout: Layout, buffsize_mb: int = DEFAULT_HCCL_BUFFSIZE_MB) -> int:
     """HCCL buffers of the communicators the runtime creates per rank (as ``msdist plan`` counts them)."""
     return memory_estimate(layout, RUNTIME_KEYS, buffsize_mb)["buffer_mb_per_rank"] * MIB
+
+
+def expert_axes(layout) -> tuple[int, int]:
+    """``(ep, etp)`` of a layout: its expert axes (issue 36), ep 1 and etp = tp without them."""
+    ep = getattr(layout, "ep", 1) or 1
+    etp = getattr(layout, "etp", None)
+    return ep, layout.tp if etp is None else etp
+
+
+def moe_summary(model, training, layout, stages: list[dict], rows: list[dict], timing: dict) -> dict:
+    """The MoE rows of ``plan --model``: experts, the expert axes, expert memory and the dispatch.
+
+    ``expert_bytes``: the routed experts' weights, gradients and optimizer state on the
+    rank of the peak stage; ``all_to_all_bytes``/``all_to_all_s``: the ep rows of the step
+    (sent bytes, seconds), ``dispatch_s``: ``ep_s`` (all-to-alls and etp gathers).
+    """
+    ep, etp = expert_axes(layout)
+    peak = max(stages, key=lambda s: s["total_bytes"])
+    a2a = [r for r in rows if r["group"] == "ep"]
+    bandwidth_s = timing["breakdown"].get("ep_s", 0.0)
+    return {
+        "num_moe_experts": model.num_moe_experts,
+        "moe_router_topk": model.moe_router_topk,
+        "moe_layers": model.num_moe_layers,
+        "local_experts": model.num_moe_experts // ep,
+        "active_parameters": active_parameters(model),
+        "ep": ep, "etp": etp, "edp": layout.world_size // (etp * ep * layout.pp),
+        "expert_parameters_per_rank": peak.get("expert_parameters", 0),
+        "expert_bytes": peak.get("expert_bytes", 0),
+        "all_to_all_calls": sum(r["count"] for r in a2a),
+        "all_to_all_bytes": sum(r["bytes"] for r in a2a),
+        "dispatch_s": bandwidth_s,
+        "imbalance": training.moe_imbalance,
+    }
 
 
 def memory_report(stages: list[dict], device_memory_bytes: int) -> dict:
@@ -66,13 +101,15 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
             "to the layout file.")
     check(model, training, layout, workload.source)
     sizes = (layout.tp, layout.cp, layout.pp, layout.dp)
+    ep, etp = expert_axes(layout)
     configured = training
     training, runtime, notes = what_runs(training, *sizes)
-    stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb), runtime)
+    stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb), runtime, ep, etp)
     busiest = stage_slot_flops(model, training, layout.tp, layout.cp, layout.pp, runtime)["stage"]
-    rows, flags = traffic(model, training, *sizes, runtime, busiest), crossing_flags(layout)
+    rows = traffic(model, training, *sizes, runtime, busiest, ep, etp)
+    flags = crossing_flags(layout, experts=model.is_moe and hasattr(layout, "ep"))
     communication = timed(rows, flags, cluster)
-    timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime)
+    timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime, ep=ep, etp=etp)
     microbatches = num_microbatches(training, layout.dp, layout.world_size)
     summary = {
         "name": model.name,
@@ -88,6 +125,8 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
         "runtime": asdict(runtime),
         "cluster": asdict(cluster),
     }
+    if model.is_moe:
+        summary["moe"] = moe_summary(model, training, layout, stages, rows, timing)
     time = {k: timing[k] for k in ("step_time_s", "breakdown", "tokens_per_s", "mfu")}
     time.update({k: timing[k] for k in ("model_flops_per_step", "slot_s", "dp_reduce_s")})
     return {"model": summary, "memory": memory_report(stages, cluster.device_memory_bytes),

@@ -19,6 +19,22 @@ file and the dotted key::
       tie_embeddings: true        # false: a separate V x h output layer
       bias: true                  # biases of the linear layers (norms keep theirs)
       dropout: 0.0
+      # Mixture of experts (all optional; without num_moe_experts the model is dense):
+      num_moe_experts: null       # routed experts per MoE layer
+      moe_router_topk: 2          # experts each token is routed to
+      moe_ffn_hidden_size: null   # width of one expert (default ffn_hidden_size)
+      moe_layer_freq: 1           # 1: every layer MoE; N: every N-th (layer i when i % N == 0);
+                                  # or a 0/1 list per layer, e.g. DeepSeek-V3's [0, 0, 0, 1, ...]
+      moe_shared_expert_intermediate_size: null   # shared experts' width (a dense MLP every token uses)
+      moe_router_score_function: softmax          # softmax | sigmoid
+      moe_router_num_groups: null # group-limited routing: experts in groups ...
+      moe_router_group_topk: null # ... of which each token may use this many
+      moe_expert_capacity_factor: null            # null: dropless
+      # also: moe_router_pre_softmax, moe_router_topk_scaling_factor, moe_router_load_balancing_type
+      # (aux_loss | seq_aux_loss | none), moe_aux_loss_coeff, moe_z_loss_coeff,
+      # moe_router_enable_expert_bias, moe_router_bias_update_rate, moe_token_dispatcher_type
+      # (alltoall | allgather), moe_expert_drop_policy (probs | position),
+      # moe_pad_expert_input_to_capacity
     training:                     # these are the defaults
       micro_batch_size: 1
       global_batch_size: 1536     # default micro_batch_size * world_size
@@ -34,6 +50,7 @@ file and the dotted key::
       last_stage_layers: null
       account_for_embedding_in_pipeline_split: false
       account_for_loss_in_pipeline_split: false
+      moe_imbalance: 1.0          # MoE: the busiest rank's routed tokens over the mean (>= 1)
     cluster:                      # these are the defaults (without a device preset)
       device: null                # a preset filling the keys below: ascend-910b, a100-80gb, ...
       device_memory_gb: 64        # GiB (2**30 bytes) per device
@@ -69,6 +86,10 @@ NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned", "rope")
 CP_METHODS = ("ulysses", "allgather_kv", "ring")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+DISPATCHERS = ("alltoall", "allgather")
+DROP_POLICIES = ("probs", "position")
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_DEVICES_PER_NODE = 8
 GIB = 1024**3
@@ -113,6 +134,99 @@ def _choice(name: str, value, choices) -> None:
         raise ModelError(f"{name}={value!r} is invalid: expected one of {', '.join(choices)}.")
 
 
+def moe_layer_pattern(num_layers: int, freq) -> tuple:
+    """Which layers are MoE layers: ``freq`` an int N (layer ``i`` when ``i % N == 0``, Megatron's
+    ``moe_layer_freq``) or a 0/1 sequence of one entry per layer.
+
+        >>> moe_layer_pattern(6, 2), moe_layer_pattern(4, (0, 0, 1, 1))
+        ((True, False, True, False, True, False), (False, False, True, True))
+    """
+    if isinstance(freq, int):
+        return tuple(i % freq == 0 for i in range(num_layers))
+    return tuple(bool(x) for x in freq)
+
+
+def _optional_positive(name: str, value, minimum: int = 1) -> None:
+    if value is not None:
+        _positive_int(name, value, minimum)
+
+
+def _check_moe(m) -> None:
+    """The mixture-of-experts keys of a :class:`ModelSpec` (contract C of issue 36)."""
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        freq = tuple(freq)
+        object.__setattr__(m, "moe_layer_freq", freq)
+    for name in ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_pad_expert_input_to_capacity"):
+        if not isinstance(getattr(m, name), bool):
+            raise ModelError(f"{name}={getattr(m, name)!r} is invalid: expected true or false.")
+    _choice("moe_router_score_function", m.moe_router_score_function, SCORE_FUNCTIONS)
+    _choice("moe_router_load_balancing_type", m.moe_router_load_balancing_type, LOAD_BALANCING)
+    _choice("moe_token_dispatcher_type", m.moe_token_dispatcher_type, DISPATCHERS)
+    _choice("moe_expert_drop_policy", m.moe_expert_drop_policy, DROP_POLICIES)
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        value = getattr(m, name)
+        if not is_finite_number(value) or value < 0:
+            raise ModelError(f"{name}={value!r} is invalid: expected a finite number >= 0 (0 turns it off).")
+    for name in ("moe_expert_capacity_factor", "moe_router_topk_scaling_factor"):
+        value = getattr(m, name)
+        if value is not None and (not is_finite_number(value) or not value > 0):
+            what = ("the tokens an expert takes, as a multiple of its even share, e.g. 1.25; leave it out "
+                    "for dropless routing" if name == "moe_expert_capacity_factor" else
+                    "the factor the routing weights are scaled by, e.g. 2.5; leave it out for 1")
+            raise ModelError(f"{name}={value!r} is invalid: expected a number > 0, {what}.")
+    _optional_positive("num_moe_experts", m.num_moe_experts)
+    _positive_int("moe_router_topk", m.moe_router_topk)
+    _optional_positive("moe_ffn_hidden_size", m.moe_ffn_hidden_size)
+    _optional_positive("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size)
+    _optional_positive("moe_router_num_groups", m.moe_router_num_groups)
+    _optional_positive("moe_router_group_topk", m.moe_router_group_topk)
+    if isinstance(freq, tuple):
+        if len(freq) != m.num_layers or any(isinstance(x, bool) or x not in (0, 1) for x in freq):
+            raise ModelError(
+                f"moe_layer_freq={list(freq)!r} is invalid: expected one 0 (dense) or 1 (MoE) per layer, "
+                f"{m.num_layers} entries, e.g. [0, 0, 0] + [1] * {max(m.num_layers - 3, 0)} for the first 3 dense.")
+    else:
+        _positive_int("moe_layer_freq", freq)
+    experts = m.num_moe_experts
+    if experts is None:
+        moe_only = [k for k in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
+                                "moe_router_group_topk", "moe_expert_capacity_factor") if getattr(m, k) is not None]
+        if moe_only:
+            raise ModelError(f"{moe_only[0]}={getattr(m, moe_only[0])!r} needs a mixture-of-experts model: set "
+                             "num_moe_experts (routed experts per MoE layer), or remove the key.")
+        return
+    if m.moe_ffn_hidden_size is None:
+        object.__setattr__(m, "moe_ffn_hidden_size", m.ffn_hidden_size)
+    if m.moe_router_topk > experts:
+        raise ModelError(f"moe_router_topk={m.moe_router_topk} is invalid: a token cannot use more experts than "
+                         f"num_moe_experts={experts}. Use a top-k of at most {experts}.")
+    if not any(m.moe_layers):
+        raise ModelError(f"moe_layer_freq={list(freq) if isinstance(freq, tuple) else freq!r} makes no layer a MoE "
+                         f"layer although num_moe_experts={experts}: mark at least one layer with 1, or drop "
+                         "num_moe_experts for a dense model.")
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        given = "moe_router_num_groups" if groups is not None else "moe_router_group_topk"
+        raise ModelError(f"{given} is set without {'moe_router_group_topk' if groups is not None else 'moe_router_num_groups'}: "
+                         "group-limited routing needs both (e.g. 8 groups, top-4 groups as DeepSeek-V3).")
+    if groups is not None:
+        if experts % groups:
+            raise ModelError(f"moe_router_num_groups={groups} does not divide num_moe_experts={experts}: every group "
+                             f"holds the same number of experts. Use a divisor of {experts}.")
+        if group_topk > groups:
+            raise ModelError(f"moe_router_group_topk={group_topk} is invalid: a token cannot use more than the "
+                             f"moe_router_num_groups={groups} groups. Use at most {groups}.")
+        if m.moe_router_topk > group_topk * (experts // groups):
+            raise ModelError(f"moe_router_topk={m.moe_router_topk} exceeds the experts of the "
+                             f"moe_router_group_topk={group_topk} groups a token may use ({group_topk} x "
+                             f"{experts // groups} = {group_topk * (experts // groups)}). Raise the group top-k or "
+                             "lower the top-k.")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ModelError("moe_pad_expert_input_to_capacity=true needs moe_expert_capacity_factor: padding fills "
+                         "every expert to its capacity. Set a capacity factor (e.g. 1.25) or drop the padding.")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A GPT-style transformer (Narayanan et al. 2021): its shape decides parameters and activations.
@@ -134,6 +248,13 @@ class ModelSpec:
         bias: Biases of the linear layers (the norms keep theirs either way).
         dropout: Dropout probability in ``[0, 1)``; priced as a 1-byte mask per dropped
             element (Korthikanti et al. 2022) when above 0.
+        num_moe_experts: Routed experts of a MoE layer; None (the default) for a dense model.
+            The other ``moe_*`` keys (contract C of issue 36, Megatron-core's names; see the
+            module docstring) only matter with it: ``moe_router_topk`` (<= experts),
+            ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``), ``moe_layer_freq`` (an
+            int N or a 0/1 tuple per layer, :attr:`moe_layers`),
+            ``moe_shared_expert_intermediate_size``, the router's score function, groups
+            (``moe_router_num_groups`` must divide the experts), capacity factor (> 0) ...
 
     Raises:
         ModelError: a value out of range, with the fix.
@@ -153,6 +274,25 @@ class ModelSpec:
     tie_embeddings: bool = True
     bias: bool = True
     dropout: float = 0.0
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int | tuple = 1
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_expert_capacity_factor: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
 
     def __post_init__(self):
         _choice("normalization", self.normalization, NORMALIZATIONS)
@@ -187,6 +327,26 @@ class ModelSpec:
                 "key/value group serves the same number of query heads. Use a divisor of "
                 f"{heads} (= {heads} without grouped-query attention)."
             )
+        _check_moe(self)
+
+    @property
+    def is_moe(self) -> bool:
+        """The model has routed experts (``num_moe_experts`` is set)."""
+        return self.num_moe_experts is not None
+
+    @property
+    def moe_layers(self) -> tuple:
+        """One bool per layer: True where the layer's MLP is a MoE layer (all False when dense)."""
+        return moe_layer_pattern(self.num_layers, self.moe_layer_freq) if self.is_moe else \
+            (False,) * self.num_layers
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) is a MoE layer."""
+        return self.moe_layers[index]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
 
     @property
     def kv_channels(self) -> int:
@@ -228,6 +388,9 @@ class TrainingSpec:
         account_for_embedding_in_pipeline_split: The embedding counts as a layer of the
             first stage when the layers are cut (Megatron's option of the same name).
         account_for_loss_in_pipeline_split: The loss counts as a layer of the last stage.
+        moe_imbalance: Mixture of experts: the busiest rank's routed (token, expert) rows
+            over the mean, >= 1 (default 1.0, perfectly balanced). It multiplies that
+            rank's expert FLOPs, dispatched activations and all-to-all bytes.
 
     Raises:
         ModelError: a value out of range or an unknown choice.
@@ -247,9 +410,14 @@ class TrainingSpec:
     last_stage_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    moe_imbalance: float = 1.0
 
     def __post_init__(self):
         _positive_int("micro_batch_size", self.micro_batch_size)
+        if not is_finite_number(self.moe_imbalance) or self.moe_imbalance < 1:
+            raise ModelError(
+                f"moe_imbalance={self.moe_imbalance!r} is invalid: expected a number >= 1, the busiest rank's "
+                "routed tokens over the mean (1.0: perfectly balanced experts, e.g. 1.2 for 20 % more).")
         if self.zero_stage is None:
             object.__setattr__(self, "zero_stage", 1 if self.distributed_optimizer is True else 0)
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
@@ -449,7 +617,17 @@ _MODEL_TYPES = {
     "name": _STR, "normalization": ((str,), "one of layernorm, rmsnorm"),
     "activation": ((str,), "one of gelu, swiglu"), "position_embedding": ((str,), "one of learned, rope"),
     "tie_embeddings": _BOOL, "bias": _BOOL, "dropout": _NUM,
+    "moe_layer_freq": ((int, list), "an integer N (every N-th layer) or a list of 0/1 per layer"),
+    "moe_router_score_function": ((str,), "one of softmax, sigmoid"),
+    "moe_router_load_balancing_type": ((str,), "one of aux_loss, seq_aux_loss, none"),
+    "moe_token_dispatcher_type": ((str,), "one of alltoall, allgather"),
+    "moe_expert_drop_policy": ((str,), "one of probs, position"),
+    "moe_router_pre_softmax": _BOOL, "moe_router_enable_expert_bias": _BOOL,
+    "moe_pad_expert_input_to_capacity": _BOOL,
+    "moe_aux_loss_coeff": _NUM, "moe_z_loss_coeff": _NUM, "moe_expert_capacity_factor": _NUM,
+    "moe_router_topk_scaling_factor": _NUM, "moe_router_bias_update_rate": _NUM,
 }
+MOE_KEYS = tuple(f.name for f in fields(ModelSpec) if f.name.startswith(("moe_", "num_moe_")))
 _SCHEMAS = {
     "model": (ModelSpec, {f.name: _MODEL_TYPES.get(f.name, _INT) for f in fields(ModelSpec)}),
     "training": (TrainingSpec, {
@@ -460,6 +638,7 @@ _SCHEMAS = {
         "context_parallel_method": ((str,), "one of ulysses, allgather_kv, ring"),
         "first_stage_layers": _INT, "last_stage_layers": _INT,
         "account_for_embedding_in_pipeline_split": _BOOL, "account_for_loss_in_pipeline_split": _BOOL,
+        "moe_imbalance": _NUM,
     }),
     "cluster": (ClusterSpec, {
         "device": ((str,), f"a device preset ({', '.join(device_names())})"),
@@ -471,9 +650,10 @@ _SCHEMAS = {
 }
 _OPTIONAL = {"num_query_groups", "ffn_hidden_size", "name", "global_batch_size", "devices_per_node", "device",
              *PRESET_KEYS, "compute_efficiency", "zero_stage", "first_stage_layers", "last_stage_layers",
-             "normalization", "activation", "position_embedding", "tie_embeddings", "bias", "dropout"}
+             "normalization", "activation", "position_embedding", "tie_embeddings", "bias", "dropout", *MOE_KEYS}
 _LOWERED = {"precision", "recompute", "context_parallel_method", "normalization", "activation",
-            "position_embedding"}
+            "position_embedding", "moe_router_score_function", "moe_router_load_balancing_type",
+            "moe_token_dispatcher_type", "moe_expert_drop_policy"}
 
 
 def section_from_mapping(section: str, data, source: str):
@@ -561,7 +741,8 @@ def workload_sections(workload: Workload) -> dict:
         spec = getattr(workload, key)
         if spec is not None:
             # Tuples (a calibrated collective_latency_us) as lists: what YAML writes and reads back.
-            sections[key] = {k: [list(e) for e in v] if isinstance(v, tuple) else v
+            # (and moe_layer_freq's tuple of 0/1 as a list of ints).
+            sections[key] = {k: [list(e) if isinstance(e, tuple) else e for e in v] if isinstance(v, tuple) else v
                              for k, v in asdict(spec).items() if v is not None}
     return sections
 

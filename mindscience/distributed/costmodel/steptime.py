@@ -41,10 +41,34 @@ from __future__ import annotations
 
 from .comm import recompute_passes, traffic
 from .memory import BYTES, num_microbatches, pipeline_bubble, ring_attention
-from .params import mlp_fc1_width, model_stage_layers
+from .params import expert_fc1_width, mlp_fc1_width, model_stage_layers, rank_moe_layers
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 TERMS = ("compute_s", "bubble_s", "tp_s", "cp_s", "pp_s", "dp_s")
+MOE_TERM = "ep_s"  # a MoE model's breakdown adds the token dispatch (ep all-to-alls, etp gathers)
+
+
+def moe_layer_forward_flops(model: ModelSpec, tokens: int, context: int, imbalance: float = 1.0) -> dict:
+    """Forward FLOPs of one MoE layer: :func:`layer_forward_flops` with the MLP replaced.
+
+    The router ``2*tokens*h*E``, the shared experts as a dense MLP of their width, and the
+    routed experts ``topk * imbalance`` times an expert MLP per token
+    (``2*tokens*h*(F_e + f_e)`` each: routed experts count top-k, shared experts always).
+
+        >>> m = ModelSpec(num_layers=1, hidden_size=4, num_attention_heads=2, seq_length=8, vocab_size=0,
+        ...               num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8)
+        >>> moe_layer_forward_flops(m, 8, 8)  # qkv 2*8*4*(4+8), out 2*8*4*4, router 2*8*4*4, 2 x 2*8*4*(8+8)
+        {'linear': 3328, 'attention': 1024}
+    """
+    h = model.hidden_size
+    dense = layer_forward_flops(model, tokens, context)
+    mlp = 2 * tokens * h * (mlp_fc1_width(model) + model.ffn_hidden_size)
+    shared = model.moe_shared_expert_intermediate_size or 0
+    shared_mlp = 2 * tokens * h * ((2 if model.activation == "swiglu" else 1) * shared + shared)
+    experts = 2 * tokens * h * (expert_fc1_width(model) + model.moe_ffn_hidden_size) * model.moe_router_topk
+    router = 2 * tokens * h * model.num_moe_experts
+    linear = dense["linear"] - mlp + router + shared_mlp + experts * imbalance
+    return {"linear": round(linear), "attention": dense["attention"]}
 
 
 def layer_forward_flops(model: ModelSpec, tokens: int, context: int) -> dict:
@@ -80,7 +104,12 @@ def model_flops_per_sample(model: ModelSpec) -> int:
     """
     s = model.seq_length
     layer = layer_forward_flops(model, s, s)
-    return 3 * (model.num_layers * (layer["linear"] + layer["attention"]) + logits_forward_flops(model, s))
+    moe = model.num_moe_layers
+    flops = (model.num_layers - moe) * (layer["linear"] + layer["attention"])
+    if moe:  # the active experts (top-k), balanced: what the model computes, not a rank's load
+        moe_layer = moe_layer_forward_flops(model, s, s)
+        flops += moe * (moe_layer["linear"] + moe_layer["attention"])
+    return 3 * (flops + logits_forward_flops(model, s))
 
 
 def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int,
@@ -101,9 +130,14 @@ def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int,
     scores_again = training.recompute == "selective" or ring_attention(training, cp)
     best = None
     chunks = model_stage_layers(model, training, pp)
+    moe_layers = rank_moe_layers(model, training, pp)
+    # A MoE layer on the busiest expert rank: its routed rows are moe_imbalance x the mean.
+    moe_layer = moe_layer_forward_flops(model, b * s // cp, s, training.moe_imbalance) if model.is_moe else layer
     for stage in range(pp):
         layers = sum(chunks[stage::pp])
-        forward = layers * (layer["linear"] + layer["attention"]) / tp
+        moe = moe_layers[stage]
+        forward = ((layers - moe) * (layer["linear"] + layer["attention"])
+                   + moe * (moe_layer["linear"] + moe_layer["attention"])) / tp
         recomputed = recompute_passes(model, training, pp, stage, runtime, chunks) * forward
         if scores_again and training.recompute != "full":
             recomputed += layers * layer["attention"] / tp
@@ -177,7 +211,7 @@ def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> i
 
 def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp: int, cp: int, pp: int, dp: int,
               crossing: dict | None = None, rows: list[dict] | None = None, runtime=None,
-              flops: dict | None = None) -> dict:
+              flops: dict | None = None, ep: int = 1, etp: int | None = None) -> dict:
     """The step time of one layout and its exposed breakdown.
 
     Args:
@@ -189,6 +223,10 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
         runtime: :class:`~.runtime.Runtime` of :func:`~.runtime.what_runs` (None: no
             pipeline re-run forward), for the compute and, without ``rows``, the traffic.
         flops: :func:`stage_slot_flops` of the same arguments, when the caller has it.
+        ep, etp: The expert axes of a MoE model (etp None: tp). Its breakdown gains
+            ``ep_s``, the token dispatch (the ``ep`` all-to-alls and ``etp`` gathers, all
+            exposed), and ``dp_s`` also reduces the expert gradients over ``edp``
+            (crossing keys ``ep``, ``etp``, ``edp``).
 
     Returns:
         ``{"step_time_s", "breakdown": {compute_s, bubble_s, tp_s, cp_s, pp_s, dp_s},
@@ -201,7 +239,7 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
     m = num_microbatches(training, dp, world)
     v = training.virtual_pipeline_stages if pp > 1 else 1
     flops = stage_slot_flops(model, training, tp, cp, pp, runtime) if flops is None else flops
-    rows = traffic(model, training, tp, cp, pp, dp, runtime, flops["stage"]) if rows is None else rows
+    rows = traffic(model, training, tp, cp, pp, dp, runtime, flops["stage"], ep, etp) if rows is None else rows
     rate = cluster.effective_flops
     slot = flops["total"] / rate
     compute = m * slot
@@ -217,10 +255,14 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
         message = message * BYTES[training.precision]["activation"] // (tp if sp else 1)
         pp_s = pipeline_transfers(pp, m, v) * (latency + message / bandwidth)
     dp_reduce = collective_seconds(rows, "dp-cp", cluster, bool(crossing.get("dp-cp")))
+    dp_reduce += collective_seconds(rows, "edp", cluster, bool(crossing.get("edp")))
     # ZeRO-3's gathers precede each forward: nothing of them hides behind the backward.
     hidden = flops["backward"] / rate if training.overlap_grad_reduce and training.zero_stage < 3 else 0.0
     dp_s = max(0.0, dp_reduce - hidden)
     breakdown = {"compute_s": compute, "bubble_s": bubble, "tp_s": tp_s, "cp_s": cp_s, "pp_s": pp_s, "dp_s": dp_s}
+    if model.is_moe:
+        breakdown[MOE_TERM] = (collective_seconds(rows, "ep", cluster, bool(crossing.get("ep")))
+                               + collective_seconds(rows, "etp", cluster, bool(crossing.get("etp"))))
     total = sum(breakdown.values())
     samples = m * training.micro_batch_size * dp
     model_flops = samples * model_flops_per_sample(model)

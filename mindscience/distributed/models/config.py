@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from ..costmodel.errors import ModelConstraintError, ModelError
 from ..costmodel.spec import ModelSpec, TrainingSpec, Workload, load_workload
@@ -73,7 +73,17 @@ class TransformerConfig:
     the head count), ``ffn_hidden_size`` (None: ``4 * hidden_size``), ``normalization``
     (``layernorm`` | ``rmsnorm``), ``activation`` (``gelu`` | ``swiglu``),
     ``position_embedding`` (``learned`` | ``rope``), ``tie_embeddings``, ``bias``,
-    ``dropout``, ``name``.
+    ``dropout``, ``name``; mixture of experts (contract C of issue 36, Megatron-core's
+    names): ``num_moe_experts`` (None: dense), ``moe_router_topk``, ``moe_ffn_hidden_size``
+    (None: ``ffn_hidden_size``), ``moe_layer_freq`` (int N: layer ``i`` is MoE when
+    ``i % N == 0``; or a 0/1 tuple per layer, :meth:`is_moe_layer`),
+    ``moe_shared_expert_intermediate_size``, ``moe_router_score_function``,
+    ``moe_router_pre_softmax``, ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``,
+    ``moe_token_dispatcher_type``, ``moe_expert_capacity_factor`` (None: dropless),
+    ``moe_router_enable_expert_bias``, ``moe_router_load_balancing_type``,
+    ``moe_router_topk_scaling_factor``, ``moe_router_num_groups``,
+    ``moe_router_group_topk``, ``moe_router_bias_update_rate``, ``moe_expert_drop_policy``,
+    ``moe_pad_expert_input_to_capacity``.
 
     Training (the ``training:`` section): ``context_parallel_method`` (``ring``, the
     causal ring with the zigzag load balance; ``ulysses``; ``allgather_kv``),
@@ -104,6 +114,25 @@ class TransformerConfig:
     bias: bool = True
     dropout: float = 0.0
     name: Optional[str] = None
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_layer_freq: Union[int, tuple] = 1
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
     context_parallel_method: str = "ring"
     recompute: str = "none"
     zero_stage: int = 0
@@ -124,6 +153,8 @@ class TransformerConfig:
         training = self.training_spec()
         object.__setattr__(self, "num_query_groups", model.num_query_groups)
         object.__setattr__(self, "ffn_hidden_size", model.ffn_hidden_size)
+        object.__setattr__(self, "moe_ffn_hidden_size", model.moe_ffn_hidden_size)
+        object.__setattr__(self, "moe_layer_freq", model.moe_layer_freq)  # a list becomes a tuple
         object.__setattr__(self, "zero_stage", training.zero_stage)
         # The stage cut (first/last_stage_layers...) depends on pp: check_layout checks it.
 
@@ -196,14 +227,44 @@ class TransformerConfig:
     def _norm(self) -> int:
         return self.hidden_size * (2 if self.normalization == "layernorm" else 1)
 
-    def layer_parameters(self) -> int:
-        """Parameters of one transformer layer (contract C4)."""
-        h, f1, b = self.hidden_size, self.fc1_size, bool(self.bias)
+    @property
+    def is_moe(self) -> bool:
+        """The model has routed experts (``num_moe_experts`` is set)."""
+        return self.num_moe_experts is not None
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) has a MoE layer in place of its MLP."""
+        if not 0 <= index < self.num_layers:
+            raise ModelError(f"layer index {index} is out of range: the model has {self.num_layers} layers "
+                             f"(0 to {self.num_layers - 1}).")
+        return self.model_spec().is_moe_layer(index)
+
+    def _mlp(self, width: int, bias: bool) -> int:
+        # fc1 h x F (F = 2 width with SwiGLU) and fc2 width x h, with their biases.
+        f1 = width * (2 if self.activation == "swiglu" else 1)
+        return self.hidden_size * f1 + width * self.hidden_size + ((f1 + self.hidden_size) if bias else 0)
+
+    def expert_parameters(self) -> int:
+        """Routed-expert parameters of one MoE layer: ``E x (h x F_e + f_e x h)``, no biases
+        (``F_e`` = ``2 f_e`` with SwiGLU, ``f_e`` = ``moe_ffn_hidden_size``); 0 when dense."""
+        return self.num_moe_experts * self._mlp(self.moe_ffn_hidden_size, False) if self.is_moe else 0
+
+    def layer_parameters(self, moe: bool = False) -> int:
+        """Parameters of one transformer layer (contract C4).
+
+        ``moe``: a MoE layer, whose MLP is the router ``E x h`` (no bias), the routed
+        experts (:meth:`expert_parameters`) and the shared experts, a dense MLP of width
+        ``moe_shared_expert_intermediate_size`` (biases when ``bias``).
+        """
+        h, b = self.hidden_size, bool(self.bias)
         qkv = h * self.qkv_size + (self.qkv_size if b else 0)
         proj = h * h + (h if b else 0)
-        fc1 = h * f1 + (f1 if b else 0)
-        fc2 = self.ffn_hidden_size * h + (h if b else 0)
-        return 2 * self._norm() + qkv + proj + fc1 + fc2
+        if not moe:
+            return 2 * self._norm() + qkv + proj + self._mlp(self.ffn_hidden_size, b)
+        shared = self.moe_shared_expert_intermediate_size
+        router = self.num_moe_experts * h
+        return (2 * self._norm() + qkv + proj + router + self.expert_parameters()
+                + (self._mlp(shared, b) if shared else 0))
 
     def embedding_parameters(self) -> int:
         """Word embedding ``V x h`` plus learned positions ``s x h`` (none with RoPE)."""
@@ -217,8 +278,11 @@ class TransformerConfig:
         learned, tied, bias): 4 * 49,984 + 16,384 + 4,096 + 128 = 220,544.
         """
         head = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
-        return (self.num_layers * self.layer_parameters() + self.embedding_parameters()
-                + self._norm() + head)
+        moe = sum(self.is_moe_layer(i) for i in range(self.num_layers)) if self.is_moe else 0
+        layers = (self.num_layers - moe) * self.layer_parameters()
+        if moe:
+            layers += moe * self.layer_parameters(moe=True)
+        return layers + self.embedding_parameters() + self._norm() + head
 
     def stage_layers(self, pp: int) -> list:
         """Layers of every model stage at pipeline size ``pp`` (``pp * v`` entries at
@@ -231,16 +295,19 @@ class TransformerConfig:
             account_for_loss_in_pipeline_split=self.account_for_loss_in_pipeline_split)
 
     # ------------------------------------------------------------------ layout checks
-    def check_layout(self, tp: int = 1, cp: int = 1, pp: int = 1) -> list:
-        """Raise if the model cannot run at ``tp x cp x pp``; return the stage layers.
+    def check_layout(self, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None) -> list:
+        """Raise if the model cannot run at ``tp x cp x pp`` (experts at ``ep x etp``); return the stage layers.
 
         Every rank runs this before any collective, so a bad config raises everywhere.
+        ``etp`` None means ``tp`` (the layout's default).
 
         Raises:
             ModelConstraintError: a size that does not divide (heads, query groups,
-                vocabulary, ffn, the sequence), or layers that cannot be cut; the
-                message names the value and the fix.
+                vocabulary, ffn, the sequence, ``num_moe_experts % ep``, the expert and
+                shared-expert widths over etp and tp), expert parallelism for a dense
+                model, or layers that cannot be cut; the message names the value and the fix.
         """
+        self._check_experts(tp, ep, tp if etp is None else etp)
         if self.vocab_size < 1:
             raise ModelError(f"vocab_size={self.vocab_size}: GPTModel embeds tokens and predicts "
                              "them, so it needs vocab_size >= 1 (a cost-model preset without "
@@ -290,3 +357,30 @@ class TransformerConfig:
                 f"({layers}); GPTModel needs one per stage. Use fewer stages or more layers.",
                 "num_layers % pp")
         return layers
+
+    def _check_experts(self, tp: int, ep: int, etp: int) -> None:
+        """The expert-parallel rules of :meth:`check_layout` (contract C of issue 36)."""
+        if not self.is_moe:
+            if ep > 1 or etp not in (1, tp):
+                raise ModelConstraintError(
+                    f"ep={ep}, etp={etp} shard experts, but the model is dense (num_moe_experts is not set): "
+                    "use ep=1 and leave etp out, or set num_moe_experts.", "num_moe_experts % ep")
+            return
+        experts = self.num_moe_experts
+        if experts % ep:
+            good = [d for d in range(1, experts + 1) if experts % d == 0]
+            raise ModelConstraintError(
+                f"num_moe_experts={experts} is not divisible by ep={ep}: every expert-parallel rank holds "
+                f"the same number of whole experts. Use an ep that divides {experts} "
+                f"({', '.join(map(str, good[:8]))}{', ...' if len(good) > 8 else ''}).", "num_moe_experts % ep")
+        if self.moe_ffn_hidden_size % etp:
+            raise ModelConstraintError(
+                f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by etp={etp}: expert tensor "
+                f"parallelism splits each expert's width over etp. Use an etp that divides "
+                f"{self.moe_ffn_hidden_size} (e.g. etp=1).", "moe_ffn_hidden_size % etp")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared and shared % tp:
+            raise ModelConstraintError(
+                f"moe_shared_expert_intermediate_size={shared} is not divisible by tp={tp}: the shared experts "
+                f"are split over tp like the dense MLP. Use a tp that divides {shared}.",
+                "moe_shared_expert_intermediate_size % tp")
