@@ -168,6 +168,7 @@ def check_excerpt(command: str, fence: str, body: list, cwd: str, where: str = "
     other block every run of tokens between elisions occurs, in order."""
     import json
 
+    body = [line for line in body if not line.startswith("$ ")]  # the command itself, shown as typed
     code, printed = 0, []
     for part in command.split(" && "):
         code, printed = run(part, cwd)
