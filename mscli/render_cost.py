@@ -51,8 +51,10 @@ def memory_table(estimate: dict, show_all: bool = False) -> Table:
              f"{model['num_microbatches']} micro-batches/step; device {human_bytes(device)}")
     table = Table(title=title, title_justify="left", caption_justify="left", show_edge=False, pad_edge=False)
     gathered = any(s.get("gathered_bytes") for s in memory["stages"])
+    experts = any("expert_bytes" in s for s in memory["stages"])
     for column in ("stage", "layers", "params", "weights", "grads", "optimizer", "activations",
-                   *(("gathered",) if gathered else ()), "comm buffers", "total", "fits"):
+                   *(("gathered",) if gathered else ()), "comm buffers", "total", *(("of which experts",)
+                                                                                   if experts else ()), "fits"):
         table.add_column(column, justify="left" if column == "fits" else "right", no_wrap=True)
     kinds = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
              *(("gathered_bytes",) if gathered else ()), "communicator_bytes", "total_bytes")
@@ -62,13 +64,14 @@ def memory_table(estimate: dict, show_all: bool = False) -> Table:
         table.add_row(
             str(s["stage"]), str(s["layers"]), human_count(s["parameters"]),
             *(human_bytes(s[k]) for k in kinds),
+            *((human_bytes(s.get("expert_bytes", 0)),) if experts else ()),
             _fits(s["total_bytes"] <= device),
         )
 
     for stage in first:
         add(stage)
     if hidden:
-        table.add_row("...", f"{hidden} more stages (use --all)", *[""] * (len(kinds) + 2), style="dim")
+        table.add_row("...", f"{hidden} more stages (use --all)", *[""] * (len(kinds) + 2 + experts), style="dim")
     for stage in last:
         add(stage)
     verdict = "fits" if memory["fits"] else "does NOT fit"
@@ -106,7 +109,8 @@ def communication_table(estimate: dict, cluster: dict) -> Table:
 
 
 TERMS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("tp_s", "tp collectives"),
-         ("cp_s", "cp collectives"), ("pp_s", "pp sends"), ("dp_s", "dp-cp gradients (exposed)"))
+         ("cp_s", "cp collectives"), ("pp_s", "pp sends"), ("dp_s", "dp-cp gradients (exposed)"),
+         ("ep_s", "ep dispatch (all-to-all, etp)"))  # ep_s: MoE models only
 
 
 def human_rate(n: float) -> str:
@@ -142,6 +146,8 @@ def time_table(estimate: dict) -> Table:
     for column, justify in (("term", "left"), ("seconds", "right"), ("share", "right")):
         table.add_column(column, justify=justify, no_wrap=True)
     for key, label in TERMS:
+        if key not in time["breakdown"]:
+            continue
         value = time["breakdown"][key]
         table.add_row(label, human_seconds(value), f"{value / total:.1%}" if total else "-")
     table.add_row(Text("step", style="bold"), Text(human_seconds(total), style="bold"), "100%")
@@ -156,11 +162,33 @@ def time_summary(estimate: dict) -> Text:
                 f"{model['pipeline_bubble']:.1%} (docs/COST_MODEL.md, \"Step time\")")
 
 
+def moe_table(estimate: dict) -> Table:
+    """The mixture-of-experts rows of ``plan --model``: experts, expert axes, expert memory, dispatch."""
+    moe = estimate["model"]["moe"]
+    table = Table(title="mixture of experts (docs/COST_MODEL.md, \"Mixture of experts\")", title_justify="left",
+                  show_edge=False, pad_edge=False, show_header=False)
+    table.add_column("what", justify="left", no_wrap=True)
+    table.add_column("value", justify="left")
+    table.add_row("experts", f"{moe['num_moe_experts']} routed, top-{moe['moe_router_topk']}, in "
+                  f"{moe['moe_layers']} MoE layers; {human_count(moe['active_parameters'])} active parameters of "
+                  f"{human_count(estimate['model']['parameters'])}")
+    table.add_row("expert axes", f"ep={moe['ep']} etp={moe['etp']} edp={moe['edp']}: {moe['local_experts']} "
+                  "expert(s) per rank")
+    table.add_row("expert memory", f"{human_bytes(moe['expert_bytes'])} per rank of the peak stage "
+                  f"({human_count(moe['expert_parameters_per_rank'])} expert parameters; optimizer state "
+                  "sharded over edp at ZeRO >= 1)")
+    table.add_row("all-to-all", f"{moe['all_to_all_calls']} calls, {human_bytes(moe['all_to_all_bytes'])} sent per "
+                  f"step; dispatch time {human_seconds(moe['dispatch_s'])} (ep all-to-alls + etp gathers, "
+                  f"imbalance {moe['imbalance']:g})")
+    return table
+
+
 def cost_view(data: dict, show_all: bool = False) -> list:
     """The renderables ``msdist plan --model`` adds (nothing without a model)."""
     if "memory" not in data:
         return []
-    return [memory_table(data, show_all), communication_table(data, data["model"]["cluster"]), time_table(data),
+    moe = [moe_table(data)] if "moe" in data["model"] else []
+    return [memory_table(data, show_all), communication_table(data, data["model"]["cluster"]), *moe, time_table(data),
             time_summary(data), cluster_text(data["model"]["cluster"], data["model"].get("cluster_sources"))]
 
 
@@ -171,7 +199,7 @@ def _rejected_text(result: dict) -> str:
 def breakdown_text(candidate: dict) -> str:
     """``compute 1.2 s + bubble 40 ms + tp 0.3 s + ...`` (only the non-zero terms)."""
     parts = [f"{key[:-2]} {human_seconds(candidate['breakdown'][key])}" for key, _ in TERMS
-             if candidate["breakdown"][key] > 0]
+             if candidate["breakdown"].get(key, 0) > 0]
     return " + ".join(parts) or "0"
 
 
@@ -187,15 +215,18 @@ def render_suggest(result: dict, model_name: str) -> None:
     table = Table(title=title, title_justify="left", caption_justify="left", show_edge=False, pad_edge=False)
     show_mbs = len(result.get("micro_batch_sizes") or ()) > 1
     show_zero = len(result.get("zero_stages") or ()) > 1
-    columns = ["#", "tp", "cp", "dp", "pp", "order"] + (["mbs"] if show_mbs else []) + (
+    show_ep = result.get("moe", False)
+    columns = ["#", "tp", "cp", "dp", "pp"] + (["ep", "etp"] if show_ep else []) + ["order"] + (
+        ["mbs"] if show_mbs else []) + (
         ["zero"] if show_zero else []) + [
         "step time", "tokens/s", "MFU", "bubble", "peak mem", "bottleneck", "crossing"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("order", "bottleneck", "crossing")
                          else "right", no_wrap=True)
     for i, c in enumerate(candidates, 1):
-        crossing = [k for k in ("tp", "cp") if c["cross_node"][k]]
-        table.add_row(str(i), str(c["tp"]), str(c["cp"]), str(c["dp"]), str(c["pp"]), c["order"],
+        crossing = [k for k in ("tp", "cp", "ep") if c["cross_node"].get(k)]
+        table.add_row(str(i), str(c["tp"]), str(c["cp"]), str(c["dp"]), str(c["pp"]),
+                      *([str(c["ep"]), str(c["etp"])] if show_ep else []), c["order"],
                       *([str(c["micro_batch_size"])] if show_mbs else []),
                       *([str(c["zero_stage"])] if show_zero else []),
                       human_seconds(c["step_time_s"]), human_rate(c["tokens_per_s"]), f"{c['mfu']:.1%}",
@@ -220,9 +251,10 @@ def nothing_fits_message(result: dict) -> str:
         return (f"no (tp, cp, pp) of {world} devices meets the model's constraints (rejected sizes: "
                 f"{_rejected_text(result)}): change the device count or the model's shape.")
     c = closest
+    experts = f" ep={c['ep']} etp={c['etp']}" if result.get("moe") else ""
     return (f"no layout of {world} devices fits {human_bytes(result['device_memory_bytes'])} per device "
             f"(rejected sizes: {_rejected_text(result)}). Closest: tp={c['tp']} cp={c['cp']} dp={c['dp']} "
-            f"pp={c['pp']}, {c['why']}. Try: " + "; ".join(c["hints"]) + ".")
+            f"pp={c['pp']}{experts}, {c['why']}. Try: " + "; ".join(c["hints"]) + ".")
 
 
 def warn_nothing_fits(message: str) -> None:

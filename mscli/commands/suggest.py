@@ -101,9 +101,13 @@ def _best_layout(result: dict, workload, backend: str) -> str:
                        global_batch_size=best["micro_batch_size"] * best["dp"] * best["microbatches"])
     workload = replace(workload, training=training)
     name = f"{workload.model.name}-tp{best['tp']}-cp{best['cp']}-dp{best['dp']}-pp{best['pp']}"
+    # A MoE model's layout carries its expert axes (ep, etp) as well.
+    experts = {"ep": best["ep"], "etp": best["etp"]} if result.get("moe") else {}
+    if experts:
+        name += f"-ep{best['ep']}-etp{best['etp']}"
     layout = Layout(world_size=result["world_size"], tp=best["tp"], cp=best["cp"], pp=best["pp"],
                     dp=best["dp"], order=best["order"], devices_per_node=result["devices_per_node"],
-                    name=name, backend=backend)
+                    name=name, backend=backend, **experts)
     nodes = result["world_size"] // result["devices_per_node"]
     return layout_to_yaml(
         layout,
@@ -119,7 +123,8 @@ def _best_layout(result: dict, workload, backend: str) -> str:
 
 def suggest(
     model: str = typer.Option(..., "--model", "-m", help="Model file or preset (gpt3-175b, gqa-7b, llama3-405b, "
-                              "bloom-176b, tiny-gpt, tiny-llama, sci-transformer-s)."),
+                              "bloom-176b, tiny-gpt, tiny-llama, sci-transformer-s; MoE: mixtral-8x7b, "
+                              "qwen3-30b-a3b, deepseek-v3, tiny-moe)."),
     world: int = typer.Option(..., "--world", "-w", help="Number of devices."),
     devices_per_node: Optional[int] = typer.Option(
         None, "--devices-per-node", "-d", help="Devices per node (default: the model file's cluster section, else 8)."),
@@ -134,7 +139,9 @@ def suggest(
     device: Optional[str] = typer.Option(
         None, "--device", help="Device preset filling the cluster values the model file leaves out: "
         + describe_devices() + "."),
-    fix: Optional[str] = typer.Option(None, "--fix", help="Pin axis sizes, e.g. tp=8,cp=1."),
+    fix: Optional[str] = typer.Option(None, "--fix", help="Pin axis sizes, e.g. tp=8,cp=1; a MoE model's expert "
+                                      "axes too, e.g. ep=8 or ep=8,etp=1 (else every ep dividing the experts and "
+                                      "etp in {1, tp} are tried)."),
     micro_batch_sizes: Optional[str] = typer.Option(
         None, "--micro-batch-sizes", help="Search these micro-batch sizes too, e.g. 1,2,4 (each layout keeps its "
         "fastest; without a global_batch_size every layout trains max(sizes) x world samples per step)."),
@@ -149,6 +156,9 @@ def suggest(
         "latencies from it (what it lacks stays as configured; the output says which came from where)."),
 ) -> None:
     """Rank every (tp, cp, dp, pp) and order of N devices that fits the model by estimated step time.
+
+    A mixture-of-experts model also searches its expert axes (ep a divisor of the experts,
+    etp 1 or tp) and shows them as the ep/etp columns.
 
     The step time is compute + pipeline bubble + exposed communication of the busiest
     stage (docs/COST_MODEL.md); no device needed. Exit 1 when none fits, naming the

@@ -44,6 +44,7 @@ from .steptime import stage_slot_flops, step_time
 
 MEMORY = "does not fit device memory"
 AXES = ("tp", "cp", "dp", "pp")
+EXPERT_AXES = ("ep", "etp")  # a MoE model's expert axes, searched per size (issue 36)
 
 
 def size_choices(world_size: int, fix: dict | None = None):
@@ -67,21 +68,48 @@ def check_fix(fix: dict | None, world_size: int) -> dict:
     """
     fix = dict(fix or {})
     for axis, size in fix.items():
-        if axis not in AXES:
-            raise ModelError(f"--fix {axis}={size!r} is invalid: expected axes among {', '.join(AXES)}, "
-                             "e.g. --fix tp=8,cp=1.")
+        if axis not in AXES + EXPERT_AXES:
+            raise ModelError(f"--fix {axis}={size!r} is invalid: expected axes among {', '.join(AXES + EXPERT_AXES)}, "
+                             "e.g. --fix tp=8,cp=1 or --fix ep=8.")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ModelError(f"--fix {axis}={size!r} is invalid: expected a positive integer size.")
+    experts = fix.get("ep", 1) * fix.get("etp", 1)
+    if world_size % experts:
+        raise ModelError(f"--fix {','.join(f'{a}={n}' for a, n in fix.items() if a in EXPERT_AXES)} is invalid: "
+                         f"ep*etp = {experts} does not divide --world {world_size}.")
+    dense = {a: n for a, n in fix.items() if a in AXES}
     product = 1
-    for size in fix.values():
+    for size in dense.values():
         product *= size
     if world_size % product:
         raise ModelError(f"--fix {','.join(f'{a}={n}' for a, n in fix.items())} is invalid: the product "
                          f"{product} does not divide --world {world_size}.")
-    if len(fix) == 4 and product != world_size:
+    if len(dense) == 4 and product != world_size:
         raise ModelError(f"--fix {','.join(f'{a}={n}' for a, n in fix.items())} is invalid: tp*cp*dp*pp = "
                          f"{product}, expected the world size {world_size}.")
     return fix
+
+
+def expert_choices(model, tp: int, pp: int, world_size: int, fix: dict) -> list[tuple[int, int]]:
+    """The ``(ep, etp)`` a size tries: ep a divisor of the experts, etp 1 or tp, ``etp*ep*pp | world``.
+
+    A dense model has one: ``(1, tp)`` (no expert axes). ``fix`` pins ``ep`` and/or ``etp``.
+
+        >>> from mindscience.distributed.costmodel.spec import ModelSpec
+        >>> m = ModelSpec(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=8, vocab_size=0,
+        ...               num_moe_experts=8)
+        >>> expert_choices(m, 2, 1, 8, {})
+        [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)]
+    """
+    if not model.is_moe:
+        return [(1, tp)]
+    experts = model.num_moe_experts
+    out = []
+    for ep in (d for d in range(1, experts + 1) if experts % d == 0 and fix.get("ep", d) == d):
+        for etp in dict.fromkeys((1, tp)):
+            if fix.get("etp", etp) == etp and world_size % (etp * ep * pp) == 0:
+                out.append((ep, etp))
+    return out
 
 
 def distinct_orders(sizes: dict) -> list[str]:
@@ -103,7 +131,7 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def _closest(workload: Workload, best: dict, sizes: tuple, buffers: int) -> dict:
+def _closest(workload: Workload, best: dict, sizes: tuple, buffers: int, experts: tuple = (1, None)) -> dict:
     """Why the lowest-memory valid size misses the device, and what would save how much."""
     model, training, device = workload.model, workload.training, workload.cluster.device_memory_bytes
     stage = max(best["stages"], key=lambda s: s["total_bytes"])
@@ -121,11 +149,13 @@ def _closest(workload: Workload, best: dict, sizes: tuple, buffers: int) -> dict
         tries.append((f"training.recompute: {mode}", replace(training, recompute=mode)))
     for label, other in tries:
         priced, runtime, _ = what_runs(other, *sizes)
-        peak = max(s["total_bytes"] for s in stage_rows(model, priced, *sizes, buffers, runtime))
+        peak = max(s["total_bytes"] for s in stage_rows(model, priced, *sizes, buffers, runtime, *experts))
         hints.append(f"{label} would need {_gib(peak)}")
     hints.append("or more devices, or devices with more memory (--device-memory-gb)")
     tp, cp, pp, dp = sizes
-    return {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "order": DEFAULT_ORDER, "peak_bytes": best["peak"], "fits": False,
+    ep, etp = experts[0], tp if experts[1] is None else experts[1]
+    return {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep, "etp": etp, "order": DEFAULT_ORDER,
+            "peak_bytes": best["peak"], "fits": False,
         "peak_stage": stage["stage"], "over_bytes": stage["total_bytes"] - device, "why": why, "hints": hints}
 
 
@@ -168,17 +198,17 @@ def _general(notes: list) -> list:
     return out
 
 
-def _price(model, training, cluster, sizes: tuple, orders: list, runtime=None) -> tuple:
+def _price(model, training, cluster, sizes: tuple, orders: list, runtime=None, experts: tuple = (1, None)) -> tuple:
     """The fastest ``(order, comm, flags, timing)`` of one size and training over ``orders``.
 
-    ``orders`` holds ``(order, crossing flags)`` pairs; the first wins ties.
+    ``orders`` holds ``(order, crossing flags)`` pairs; the first wins ties. ``experts``: ``(ep, etp)``.
     """
     flops = stage_slot_flops(model, training, *sizes[:3], runtime)
-    rows = traffic(model, training, *sizes, runtime, flops["stage"])
+    rows = traffic(model, training, *sizes, runtime, flops["stage"], *experts)
     best = None
     for order, flags in orders:
         timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime,
-                           flops=flops)
+                           flops=flops, ep=experts[0], etp=experts[1])
         if best is None or timing["step_time_s"] < best[2]["step_time_s"]:
             best = (order, flags, timing)
     order, flags, timing = best
@@ -198,7 +228,9 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
             8 (or the world when smaller).
         top: Keep the best ``top`` candidates (None: all).
         buffsize_mb: HCCL_BUFFSIZE for the communicator memory.
-        fix: Pinned axis sizes, e.g. ``{"tp": 8, "cp": 1}``.
+        fix: Pinned axis sizes, e.g. ``{"tp": 8, "cp": 1}``; ``ep``/``etp`` pin the expert
+            axes of a MoE model (otherwise each size tries every ep dividing the experts and
+            etp in {1, tp}, :func:`expert_choices`, and keeps its fastest).
         micro_batch_sizes: Micro-batch sizes to try (default: the training's); each
             candidate keeps its fastest. Without a ``global_batch_size`` the global batch
             is ``max(micro_batch_sizes) * world_size`` for all of them, so every candidate
@@ -210,7 +242,8 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
 
     Returns:
         ``{"world_size", "devices_per_node", "device_memory_bytes", "candidates": [{"tp",
-        "cp", "dp", "pp", "order", "micro_batch_size", "zero_stage", "peak_bytes", "fits",
+        "cp", "dp", "pp", "ep", "etp", "edp" (the expert axes; ep 1 and etp = tp for a dense
+        model), "order", "micro_batch_size", "zero_stage", "peak_bytes", "fits",
         "step_time_s", "breakdown", "tokens_per_s", "mfu", "est_time_s" (communication),
         "bottleneck", "cross_node": {"tp", "cp"}, "pipeline_bubble", "virtual_stages"},
         ...], "valid": count before ``top``, "rejected": {reason: count}, "closest": None
@@ -233,6 +266,10 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
         devices_per_node = min(world_size, DEFAULT_DEVICES_PER_NODE) if world_size > 0 else 1
     Layout(world_size=world_size, devices_per_node=devices_per_node)  # validates both
     fix = check_fix(fix, world_size)
+    if not model.is_moe and (fix.get("ep", 1) > 1 or "etp" in fix):
+        raise ModelError(f"--fix {','.join(f'{a}={fix[a]}' for a in EXPERT_AXES if a in fix)} is invalid: model "
+                         f"{model.name or ''} is dense (no num_moe_experts), so there are no experts to split; "
+                         "drop ep/etp from --fix.")
     sizes_b = list(dict.fromkeys(micro_batch_sizes or [training.micro_batch_size]))
     for b in sizes_b:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
@@ -255,49 +292,90 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
     device = cluster.device_memory_bytes
     candidates, rejected, lowest = [], {}, None
     pipeline_rejected = {}  # reasons the pp > 1 sizes were dropped, for the interleaving note
-    for tp, cp, pp, dp in size_choices(world_size, fix):
+    dense_fix = {a: n for a, n in fix.items() if a in AXES}
+    for tp, cp, pp, dp in size_choices(world_size, dense_fix):
         sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-        layout = Layout(world_size=world_size, tp=tp, cp=cp, pp=pp, devices_per_node=devices_per_node)
-        buffers = orders = None
         best, reason = None, None
-        for train in trainings:
-            broken = violations(model, train, tp, cp, pp, dp)
-            if broken:
-                reason = reason or broken[0][0]
-                continue
-            if buffers is None:
-                buffers = communicator_bytes(layout, buffsize_mb)
-            priced, runtime, notes = what_runs(train, tp, cp, pp, dp)
-            stages = stage_rows(model, priced, tp, cp, pp, dp, buffers, runtime)
-            peak = max(s["total_bytes"] for s in stages)
-            if peak > device:
-                reason = MEMORY
-                if lowest is None or peak < lowest[0]["peak"]:
-                    lowest = ({"peak": peak, "stages": stages}, (tp, cp, pp, dp), buffers, train)
-                continue
-            if orders is None:
-                placements = distinct_orders(sizes) if layout.num_nodes > 1 else [layout.order]
-                orders = [(o, crossing_flags(replace(layout, order=o) if o != layout.order else layout))
-                          for o in placements]
-            order, comm, flags, timing = _price(model, priced, cluster, (tp, cp, pp, dp), orders, runtime)
-            if best is None or (timing["step_time_s"], peak) < (best["step_time_s"], best["peak_bytes"]):
-                best = {**sizes, "order": order, "micro_batch_size": train.micro_batch_size,
-                        "zero_stage": train.zero_stage, "notes": notes,
-                        "stage_layers": [st["layers"] for st in stages],
-                        "peak_bytes": peak, "fits": True,
-                        "step_time_s": timing["step_time_s"], "breakdown": timing["breakdown"],
-                        "tokens_per_s": timing["tokens_per_s"], "mfu": timing["mfu"],
-                        "est_time_s": comm["est_time_s"], "bottleneck": comm["bottleneck"],
-                        "cross_node": {"tp": flags["tp"], "cp": flags["cp"]},
-                        "pipeline_bubble": timing["pipeline_bubble"] if pp > 1 else 0.0,
-                        "virtual_stages": timing["virtual_stages"], "microbatches": timing["microbatches"]}
+        choices = expert_choices(model, tp, pp, world_size, fix)
+        if not choices:
+            reason = "num_moe_experts % ep"
+        for ep, etp in choices:
+            layout = _expert_layout(world_size, tp, cp, pp, devices_per_node, ep, etp, model.is_moe)
+            buffers = orders = None
+            for train in trainings:
+                broken = violations(model, train, tp, cp, pp, dp, ep, etp)
+                if broken:
+                    reason = reason or broken[0][0]
+                    continue
+                if buffers is None:
+                    buffers = communicator_bytes(layout, buffsize_mb)
+                priced, runtime, notes = what_runs(train, tp, cp, pp, dp)
+                stages = stage_rows(model, priced, tp, cp, pp, dp, buffers, runtime, ep, etp)
+                peak = max(s["total_bytes"] for s in stages)
+                if peak > device:
+                    reason = MEMORY
+                    if lowest is None or peak < lowest[0]["peak"]:
+                        lowest = ({"peak": peak, "stages": stages}, (tp, cp, pp, dp), buffers, train, (ep, etp))
+                    continue
+                if orders is None:
+                    orders = _orders(layout, sizes, model.is_moe)
+                order, comm, flags, timing = _price(model, priced, cluster, (tp, cp, pp, dp), orders, runtime,
+                                                    (ep, etp))
+                if best is None or (timing["step_time_s"], peak) < (best["step_time_s"], best["peak_bytes"]):
+                    best = _candidate(sizes, order, train, notes, stages, peak, timing, comm, flags, pp, ep, etp,
+                                      world_size)
         if best is None:
             rejected[reason] = rejected.get(reason, 0) + 1
             if pp > 1:
                 pipeline_rejected[reason] = pipeline_rejected.get(reason, 0) + 1
         else:
             candidates.append(best)
-    candidates.sort(key=lambda c: (c["step_time_s"], c["peak_bytes"], c["pp"], c["cp"], c["tp"]))
+    return _finish(workload, world_size, devices_per_node, device, fix, sizes_b, stages_z, top, candidates,
+                   rejected, pipeline_rejected, lowest, training)
+
+
+def _expert_layout(world_size, tp, cp, pp, devices_per_node, ep, etp, moe):
+    """The default-order layout of a size with its expert axes (no expert keywords for a dense model)."""
+    if not moe:
+        return Layout(world_size=world_size, tp=tp, cp=cp, pp=pp, devices_per_node=devices_per_node)
+    return Layout(world_size=world_size, tp=tp, cp=cp, pp=pp, devices_per_node=devices_per_node, ep=ep, etp=etp)
+
+
+def _orders(layout, sizes: dict, moe: bool) -> list:
+    """``[(order, crossing flags)]`` of the placements worth pricing (one inside a node).
+
+    With expert axes an order may be refused (it must end in pp unless ``etp*ep == tp*cp``):
+    such orders are skipped.
+    """
+    placements = distinct_orders(sizes) if layout.num_nodes > 1 else [layout.order]
+    out = []
+    for o in placements:
+        try:
+            placed = replace(layout, order=o) if o != layout.order else layout
+        except ValueError:  # LayoutError: this order cannot place the expert axes
+            continue
+        out.append((o, crossing_flags(placed, experts=moe)))
+    return out
+
+
+def _candidate(sizes, order, train, notes, stages, peak, timing, comm, flags, pp, ep, etp, world_size) -> dict:
+    return {**sizes, "ep": ep, "etp": etp, "edp": world_size // (etp * ep * pp), "order": order,
+            "micro_batch_size": train.micro_batch_size, "zero_stage": train.zero_stage, "notes": notes,
+            "stage_layers": [st["layers"] for st in stages],
+            "peak_bytes": peak, "fits": True,
+            "step_time_s": timing["step_time_s"], "breakdown": timing["breakdown"],
+            "tokens_per_s": timing["tokens_per_s"], "mfu": timing["mfu"],
+            "est_time_s": comm["est_time_s"], "bottleneck": comm["bottleneck"],
+            "cross_node": {"tp": flags["tp"], "cp": flags["cp"], **({"ep": flags["ep"]} if "ep" in flags else {})},
+            "pipeline_bubble": timing["pipeline_bubble"] if pp > 1 else 0.0,
+            "virtual_stages": timing["virtual_stages"], "microbatches": timing["microbatches"]}
+
+
+def _finish(workload, world_size, devices_per_node, device, fix, sizes_b, stages_z, top, candidates, rejected,
+            pipeline_rejected, lowest, training) -> dict:
+    """Sort the candidates and assemble :func:`suggest`'s answer."""
+    model = workload.model
+    candidates.sort(key=lambda c: (c["step_time_s"], c["peak_bytes"], c["pp"], c["cp"], c["tp"], c["ep"], c["etp"]))
     shown = candidates[:top] if top else candidates
     notes = list(dict.fromkeys(note for c in shown for note in _general(c["notes"])))
     if training.virtual_pipeline_stages > 1 and candidates and all(c["pp"] == 1 for c in candidates):
@@ -305,10 +383,11 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
                                        pipeline_rejected))
     closest = None
     if not candidates and lowest is not None:
-        best, sizes, buffers, train = lowest
-        closest = _closest(replace(workload, training=train), best, sizes, buffers)
+        best, sizes, buffers, train, experts = lowest
+        closest = _closest(replace(workload, training=train), best, sizes, buffers, experts)
     return {
         "world_size": world_size,
+        "moe": model.is_moe,
         "devices_per_node": devices_per_node,
         "device_memory_bytes": device,
         "fix": fix,
