@@ -14,11 +14,14 @@ Example:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .errors import ModelConstraintError
 from .params import model_stage_layers
 from .spec import ModelSpec, TrainingSpec
 
 
+@lru_cache(maxsize=1024)
 def _divisors(n: int, limit: int = 8) -> str:
     found = [d for d in range(1, n + 1) if n % d == 0]
     shown = ", ".join(map(str, found[:limit]))
@@ -88,6 +91,15 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
       ``num_layers % (pp*virtual_pipeline_stages)`` and ``microbatches % pp (interleaved)``;
     * the expert axes ``ep``, ``etp`` of a MoE model (:func:`expert_violations`).
     """
+    found = dense_violations(model, training, tp, cp, pp, dp)
+    if model.is_moe or ep > 1 or (etp is not None and etp != tp):
+        found += expert_violations(model, tp, cp, pp, dp, ep, etp)
+    return found
+
+
+def dense_violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int,
+                     dp: int) -> list[tuple[str, str]]:
+    """The constraints of :func:`violations` that do not involve the expert axes."""
     a, g = model.num_attention_heads, model.num_query_groups
     ulysses = training.context_parallel_method == "ulysses"
     found = []
@@ -155,8 +167,6 @@ def violations(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
             add("microbatches % pp (interleaved)", f"{m} micro-batches per step are not divisible by pp={pp}: "
                 "the interleaved schedule runs micro-batches in groups of pp. Use a global_batch_size that "
                 f"gives a multiple of {pp} micro-batches per dp rank, or virtual_pipeline_stages: 1.")
-    if model.is_moe or ep > 1 or (etp is not None and etp != tp):
-        found += expert_violations(model, tp, cp, pp, dp, ep, etp)
     return found
 
 

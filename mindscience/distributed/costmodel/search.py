@@ -34,7 +34,7 @@ from dataclasses import replace
 from ..topology.layout import DEFAULT_ORDER, Layout
 from ..topology.plan import DEFAULT_HCCL_BUFFSIZE_MB
 from .comm import crossing_flags, timed, traffic
-from .constraints import violations
+from .constraints import dense_violations, expert_violations
 from .errors import ModelError
 from .report import communicator_bytes
 from .memory import stage_rows
@@ -299,15 +299,18 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
         choices = expert_choices(model, tp, pp, world_size, fix)
         if not choices:
             reason = "num_moe_experts % ep"
+        # The dense constraints once per size and training; the expert ones per (ep, etp).
+        dense = [dense_violations(model, train, tp, cp, pp, dp) for train in trainings]
         for ep, etp in choices:
-            layout = _expert_layout(world_size, tp, cp, pp, devices_per_node, ep, etp, model.is_moe)
-            buffers = orders = None
-            for train in trainings:
-                broken = violations(model, train, tp, cp, pp, dp, ep, etp)
+            layout = buffers = orders = None
+            experts_broken = expert_violations(model, tp, cp, pp, dp, ep, etp) if model.is_moe else []
+            for train, broken in zip(trainings, dense):
+                broken = broken + experts_broken
                 if broken:
                     reason = reason or broken[0][0]
                     continue
-                if buffers is None:
+                if layout is None:
+                    layout = _expert_layout(world_size, tp, cp, pp, devices_per_node, ep, etp, model.is_moe)
                     buffers = communicator_bytes(layout, buffsize_mb)
                 priced, runtime, notes = what_runs(train, tp, cp, pp, dp)
                 stages = stage_rows(model, priced, tp, cp, pp, dp, buffers, runtime, ep, etp)

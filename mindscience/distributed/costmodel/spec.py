@@ -74,6 +74,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
 from pathlib import Path
 
 from ..topology.layout_file import LAYOUT_KEYS, SECTIONS, read_yaml_mapping
@@ -134,6 +135,7 @@ def _choice(name: str, value, choices) -> None:
         raise ModelError(f"{name}={value!r} is invalid: expected one of {', '.join(choices)}.")
 
 
+@lru_cache(maxsize=256)
 def moe_layer_pattern(num_layers: int, freq) -> tuple:
     """Which layers are MoE layers: ``freq`` an int N (layer ``i`` when ``i % N == 0``, Megatron's
     ``moe_layer_freq``) or a 0/1 sequence of one entry per layer.
