@@ -42,7 +42,8 @@ def layouts_command(
         rows = []
         for name, path in bundled_layouts().items():
             layout = load_layout(path)
-            rows.append({**layout.to_dict(), "name": name, "nodes": layout.num_nodes, "file": str(path)})
+            rows.append({**layout.to_dict(), "ep": layout.ep, "etp": layout.etp, "name": name,
+                         "nodes": layout.num_nodes, "file": str(path)})
     if fmt == "json":
         render.print_json(rows)
     else:

@@ -16,6 +16,9 @@ from rich.table import Table
 from rich.text import Text
 
 AXES = ("tp", "cp", "dp", "pp")
+EXPERT_COLUMNS = ("ep", "etp", "edp")
+# Groups the plan always lists for the expert layers (topology.plan.RUNTIME_KEYS).
+EXPERT_KEYS = ("ep", "etp", "edp", "etp-ep")
 # Rows shown at each end of a large rank table, and groups at each end of a listing.
 HEAD_ROWS = 8
 HEAD_GROUPS = 4
@@ -54,6 +57,34 @@ def _mib(mb: float) -> str:
 
 
 # ------------------------------------------------------------------ plan
+def experts_split(plan: dict) -> bool:
+    """True when expert layers are split unlike the dense ones (ep > 1 or etp != tp).
+
+    Otherwise their groups are the dense ones, so people see the dense groups only
+    (``--format json`` keeps every key).
+    """
+    expert = plan.get("expert_sizes")
+    return bool(expert) and (expert["ep"] > 1 or expert["etp"] != plan["sizes"]["tp"])
+
+
+def shown_keys(plan: dict, keys) -> list[str]:
+    """``keys`` less the standard expert ones when they repeat the dense groups."""
+    if experts_split(plan):
+        return list(keys)
+    return [k for k in keys if k not in EXPERT_KEYS]
+
+
+def _distinct_keys(plan: dict, keys: list[str]) -> list[str]:
+    # With the expert columns the table would not fit: keep the keys whose groups have more
+    # than one rank and are not an earlier key's groups under another name.
+    kept = []
+    for key in keys:
+        groups = plan["groups"][key]
+        if len(groups[0]) > 1 and all(plan["groups"][k] != groups for k in kept):
+            kept.append(key)
+    return kept
+
+
 def plan_summary(plan: dict, source: str | None = None) -> Panel:
     sizes = plan["sizes"]
     comms = plan["communicators"]
@@ -70,13 +101,19 @@ def plan_summary(plan: dict, source: str | None = None) -> Panel:
         f"   backend {plan['backend']}",
     )
     lines.add_row("sizes", "  ".join(f"{a}={sizes[a]}" for a in AXES))
+    expert = plan.get("expert_sizes")
+    if expert:
+        note = "expert layers; pp shared" if experts_split(plan) else "expert layers = dense (ep 1, etp = tp)"
+        lines.add_row("experts", "  ".join(f"{a}={expert[a]}" for a in ("etp", "ep", "edp"))
+                      + f"  pp={sizes['pp']}   ({note})")
     lines.add_row("order", f"{plan['order']}  (first axis varies fastest)")
     groups = plan["groups"]
     lines.add_row(
         "groups",
         "  ".join(
-            f"{key}: {len(g)} x {len(g[0])}" + (" [cross-node]" if plan["cross_node"].get(key) else "")
-            for key, g in groups.items()
+            f"{key}: {len(groups[key])} x {len(groups[key][0])}"
+            + (" [cross-node]" if plan["cross_node"].get(key) else "")
+            for key in shown_keys(plan, groups)
         ),
     )
     lines.add_row(
@@ -112,27 +149,31 @@ def _elided(items: list, head: int, show_all: bool):
 def rank_table(plan: dict, show_all: bool) -> Table:
     first, hidden, last = _elided(plan["ranks"], HEAD_ROWS, show_all)
     maps = _group_index_maps(plan, first + last)
-    keys = list(plan["groups"])
+    keys = shown_keys(plan, plan["groups"])
+    coords = AXES
+    if experts_split(plan):
+        coords, keys = (*AXES, *EXPERT_COLUMNS), _distinct_keys(plan, keys)
     table = Table(title="ranks", title_justify="left", show_edge=False, pad_edge=False)
-    for column in ("rank", "node", "local", *AXES):
+    for column in ("rank", "node", "local", *coords):
         table.add_column(column, justify="right", no_wrap=True)
     for key in keys:
         table.add_column(f"#{key}", justify="right", style="cyan", no_wrap=True)
-    table.caption = "#key = index of the rank's group in the listing below"
+    table.caption = "#key = index of the rank's group in the listing below" + (
+        " (keys of size-1 or repeated groups left out)" if coords != AXES else "")
 
     def add(row):
         table.add_row(
             str(row["rank"]),
             str(row["node"]),
             str(row["local_rank"]),
-            *(str(row[a]) for a in AXES),
+            *(str(row[a]) for a in coords),
             *(str(maps[key][row["rank"]]) for key in keys),
         )
 
     for row in first:
         add(row)
     if hidden:
-        table.add_row("...", *["..."] * (6 + len(keys)), style="dim")
+        table.add_row("...", *["..."] * (2 + len(coords) + len(keys)), style="dim")
         table.caption = f"{hidden} more ranks not shown (use --all); " + table.caption
     for row in last:
         add(row)
@@ -154,7 +195,8 @@ def group_listing(plan: dict, show_all: bool) -> Table:
     table.add_column("group", justify="right")
     table.add_column("ranks (by group rank)")
     table.add_column("")
-    for key, key_groups in plan["groups"].items():
+    for key in shown_keys(plan, plan["groups"]):
+        key_groups = plan["groups"][key]
         crossing = set(plan["cross_node"].get(key, ()))
         indexed = list(enumerate(key_groups))
         first, hidden, last = _elided(indexed, HEAD_GROUPS, show_all)
@@ -195,11 +237,13 @@ def render_rank(view: dict, svg: str | None, echo: bool = True, extra=()) -> Non
         return
     console = stdout_console(record=bool(svg), echo=echo)
     coords = view["coords"]
+    split = experts_split(view)
+    expert = "".join(f"  {a}={view['expert_coords'][a]}" for a in EXPERT_COLUMNS) if split else ""
     head = Text.assemble(
         ("rank ", "bold"),
         (str(view["rank"]), "bold cyan"),
         f"  node {view['node']}  local rank {view['local_rank']}  ",
-        "  ".join(f"{a}={coords[a]}" for a in AXES),
+        "  ".join(f"{a}={coords[a]}" for a in AXES) + expert,
         f"   (world {view['world_size']}, order {view['order']})",
     )
     table = Table(show_edge=False, pad_edge=False)
@@ -209,7 +253,8 @@ def render_rank(view: dict, svg: str | None, echo: bool = True, extra=()) -> Non
     table.add_column("size", justify="right")
     table.add_column("members (by group rank)")
     table.add_column("")
-    for key, group in view["groups"].items():
+    for key in shown_keys(view, view["groups"]):
+        group = view["groups"][key]
         table.add_row(
             key,
             str(group["index"]),
@@ -233,10 +278,11 @@ def render_rank(view: dict, svg: str | None, echo: bool = True, extra=()) -> Non
 
 def render_layout_list(rows: list[dict]) -> None:
     table = Table(show_edge=False, pad_edge=False)
-    for column in ("name", "world", "nodes", "tp", "cp", "dp", "pp", "order", "backend", "file"):
-        table.add_column(column)
+    columns = ("name", "world_size", "nodes", "tp", "cp", "dp", "pp", "ep", "etp", "order", "backend", "file")
+    for column in columns:
+        table.add_column("world" if column == "world_size" else column)
     for row in rows:
-        table.add_row(*(str(row[c]) for c in ("name", "world_size", "nodes", "tp", "cp", "dp", "pp", "order", "backend", "file")))
+        table.add_row(*(str(row[c]) for c in columns))
     stdout_console().print(table)
 
 

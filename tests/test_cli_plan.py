@@ -173,6 +173,14 @@ def assert_bad_input(result, *fragments):
         ("world_size: 8\ndevices_per_node: 3\n", ["devices_per_node=3"]),
         ("world_size: 8\nbackend: tpu\n", ["backend='tpu'"]),
         ("world_size: 0\n", ["world_size=0"]),
+        ("world_size: 8\nep: 3\n", ["ep=3 does not fit", "does not divide world_size=8"]),
+        ("world_size: 8\nep: two\n", ["key 'ep'", "expected an integer"]),
+        ("world_size: 8\netp: true\n", ["key 'etp'"]),
+        ("world_size: 8\nep: 0\n", ["ep=0 is invalid"]),
+        ("world_size: 16\ncp: 2\npp: 2\nep: 4\norder: tp-cp-ep-pp-dp\n", ["ep=4", "edp must equal dp"]),
+        ("world_size: 16\ntp: 2\npp: 2\nep: 2\netp: 1\norder: tp-pp-cp-ep-dp\n",
+         ["ep=2", "other pipeline groups"]),
+        ("world_size: 8\norder: tp-cp-ep-ep-dp-pp\n", ["repeats axis 'ep'"]),
     ],
 )
 def test_layout_file_errors_name_file_and_key(tmp_path, text, fragments):
@@ -181,6 +189,12 @@ def test_layout_file_errors_name_file_and_key(tmp_path, text, fragments):
     assert_bad_input(invoke("plan", path, "--format", "json"), path, *fragments)
     with pytest.raises(LayoutFileError):
         load_layout(path)
+
+
+def test_layout_error_names_the_key_attribute(tmp_path):
+    with pytest.raises(LayoutFileError) as info:
+        load_layout(write(tmp_path, "world_size: 8\nep: 3\n"))
+    assert info.value.key == "ep"
 
 
 def test_missing_file():
@@ -194,6 +208,7 @@ def test_missing_file():
         (["--rank", "-1"], "rank -1 is outside the world"),
         (["--groups", "tp-xp"], "unknown axis 'xp'"),
         (["--groups", "tp-tp"], "repeats an axis"),
+        (["--groups", "tp-ep"], "mixes dense axis 'tp' with expert axis 'ep'"),
         (["--format", "yaml"], "--format 'yaml' is invalid"),
         (["--hccl-buffsize", "0"], "--hccl-buffsize 0"),
         (["--svg", "/no/such/dir/x.svg"], "does not exist"),
@@ -213,3 +228,67 @@ def test_bad_hccl_buffsize_env():
 def test_hccl_buffsize_env_changes_estimate():
     result = runner.invoke(app, ["plan", "--format", "json"], env={"HCCL_BUFFSIZE": "100"})
     assert json.loads(result.stdout)["communicators"]["buffer_mb_per_rank"] == 400
+
+
+# ------------------------------------------------------------------ expert axes
+def test_expert_layout_plan_json():
+    """ascend-64-ep8: dense tp2 x dp16 x pp2, experts etp1 x ep8 x edp4 folded over the same ranks."""
+    result = invoke("plan", "ascend-64-ep8", "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    layout = load_layout(ROOT / "layouts" / "ascend-64-ep8.yaml")
+    assert data["order"] == "tp-cp-ep-dp-pp"
+    assert data["sizes"] == {"tp": 2, "cp": 1, "dp": 16, "pp": 2}
+    assert data["expert_sizes"] == {"etp": 1, "ep": 8, "edp": 4}
+    assert {"ep", "etp", "edp", "etp-ep"} <= set(data["groups"])
+    for key, groups in data["groups"].items():
+        assert groups == layout.groups(key), key
+    assert data["groups"]["ep"][0] == list(range(8)) and data["groups"]["ep"][7] == list(range(56, 64))
+    assert data["groups"]["etp-ep"] == data["groups"]["ep"]
+    assert data["groups"]["edp"][0] == [0, 8, 16, 24] and data["groups"]["edp"][8] == [32, 40, 48, 56]
+    assert data["groups"]["etp"] == [[r] for r in range(64)]
+    # The experts' pipeline groups are the dense ones: [r, r + 32].
+    assert data["groups"]["pp"][5] == [5, 37]
+    assert data["cross_node"]["ep"] == [] and data["cross_node"]["edp"] == list(range(16))
+    assert data["ranks"][45] == {"rank": 45, "node": 5, "local_rank": 5, "tp": 1, "cp": 0, "dp": 6, "pp": 1,
+                                 "ep": 5, "etp": 0, "edp": 1}
+    # tp, dp (= dp-cp), pp, ep (= etp-ep), edp.
+    assert data["communicators"]["per_rank"] == 5
+    assert data["communicators"]["groups"] == ["tp", "dp", "pp", "ep", "edp"]
+
+
+def test_expert_layout_plan_table_and_rank_view():
+    out = invoke("plan", "ascend-64-ep8").stdout
+    assert "etp=1  ep=8  edp=4  pp=2" in out
+    assert "ep: 8 x 8" in out and "edp: 16 x 4" in out and "etp-ep: 8 x 8" in out
+    assert "[0, 8, 16, 24]" in out and "[56, 57, 58, 59, 60, 61, 62, 63]" in out
+    header = next(line for line in out.splitlines() if line.startswith("rank "))
+    assert [c.strip() for c in header.split("\u2503")][-5:] == ["#tp", "#dp", "#pp", "#ep", "#edp"]
+    view = json.loads(invoke("plan", "ascend-64-ep8", "--rank", "45", "--format", "json").stdout)
+    assert view["expert_coords"] == {"etp": 0, "ep": 5, "edp": 1}
+    assert view["groups"]["ep"] == {"index": 5, "group_rank": 5, "size": 8, "ranks": list(range(40, 48)),
+                                    "cross_node": False}
+    assert view["groups"]["edp"]["ranks"] == [37, 45, 53, 61]
+    text = invoke("plan", "ascend-64-ep8", "--rank", "45").stdout
+    assert "ep=5  etp=0  edp=1" in text
+
+
+def test_dense_layout_lists_no_repeated_expert_groups_for_people():
+    # cpu-4 has ep 1 and etp = tp: its expert groups are its dense ones, listed in JSON only.
+    out = invoke("plan").stdout
+    assert "etp=2  ep=1  edp=2  pp=1" in out and "expert layers = dense" in out
+    assert "etp-ep" not in out and "edp " not in out
+    data = json.loads(invoke("plan", "--format", "json").stdout)
+    assert data["groups"]["etp"] == data["groups"]["tp"] == [[0, 1], [2, 3]]
+    assert data["groups"]["edp"] == data["groups"]["dp-cp"] == [[0, 2], [1, 3]]
+    assert data["groups"]["ep"] == [[0], [1], [2], [3]]
+    assert data["communicators"]["per_rank"] == 2
+
+
+def test_cpu_expert_layout_and_layouts_listing():
+    data = json.loads(invoke("plan", "cpu-4-ep2", "--format", "json").stdout)
+    assert data["expert_sizes"] == {"etp": 1, "ep": 2, "edp": 2}
+    assert data["groups"]["ep"] == [[0, 1], [2, 3]] and data["groups"]["edp"] == [[0, 2], [1, 3]]
+    rows = {r["name"]: r for r in json.loads(invoke("layouts", "--format", "json").stdout)}
+    assert (rows["cpu-4-ep2"]["ep"], rows["cpu-4-ep2"]["etp"]) == (2, 1)
+    assert (rows["cpu-4"]["ep"], rows["cpu-4"]["etp"]) == (1, 2)

@@ -438,8 +438,13 @@ class Layout:
         Column-wise list arithmetic: at 65,536 ranks this is ``msdist plan``'s hot path.
         """
         ranks = range(self.world_size)
-        columns = {}
+        columns, by_signature = {}, {}
         for axis in axes:
+            signature = self.signature(axis)
+            if signature in by_signature:
+                # Same signature, same group ranks (etp is tp when the experts are not split).
+                columns[axis] = by_signature[signature]
+                continue
             frame, prims = self._resolve(axis)
             column = None
             scale = 1
@@ -450,7 +455,7 @@ class Layout:
                 part = [(r // stride) % size for r in ranks]
                 column = part if column is None else [c + p * scale for c, p in zip(column, part)]
                 scale *= size
-            columns[axis] = column if column is not None else [0] * self.world_size
+            columns[axis] = by_signature[signature] = column if column is not None else [0] * self.world_size
         return columns
 
     # ---------------------------------------------------------------- groups

@@ -113,13 +113,18 @@ def build_plan(
         index, ...]}, "communicators": {...}, "warnings": [...], "ranks": [...]}``.
     """
     keys = plan_keys(extra_keys)
-    groups = {key: layout.groups(key) for key in keys}
-    crossing = {}
-    if layout.num_nodes > 1:
-        for key, key_groups in groups.items():
-            crossing[key] = [i for i, g in enumerate(key_groups) if layout.crosses_nodes(g)]
-    else:
-        crossing = {key: [] for key in keys}
+    # Keys with one signature have the same groups listed the same way (the expert keys
+    # of a dense layout repeat tp and dp-cp): compute them once.
+    by_signature: dict = {}
+    groups, crossing = {}, {}
+    for key in keys:
+        signature = layout.signature(key)
+        if signature not in by_signature:
+            key_groups = layout.groups(key)
+            crosses = [i for i, g in enumerate(key_groups) if layout.crosses_nodes(g)] \
+                if layout.num_nodes > 1 and signature else []
+            by_signature[signature] = (key_groups, crosses)
+        groups[key], crossing[key] = by_signature[signature]
     plan = {
         "name": layout.name,
         "world_size": layout.world_size,
