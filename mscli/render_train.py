@@ -18,9 +18,14 @@ from .render_cost import human_bytes, human_rate, human_seconds
 
 
 def step_line(row: dict) -> str:
-    """``step   3  loss 5.5123  0.41 s  1.25 K tokens/s  MFU 0.8%``."""
-    return (f"step {row['step']:>4}  loss {row['loss']:.6f}  {human_seconds(row['time_s'])}  "
+    """``step   3  loss 5.5123  0.41 s  1.25 K tokens/s  MFU 0.8%``; a MoE model's adds
+    ``aux 0.0102  load 1.38x  dropped 0`` (max/mean tokens per expert of the busiest layer)."""
+    line = (f"step {row['step']:>4}  loss {row['loss']:.6f}  {human_seconds(row['time_s'])}  "
             f"{human_rate(row['tokens_per_s'])} tokens/s  MFU {row['mfu']:.2%}")
+    if row.get("aux_loss") is not None:
+        line += (f"  aux {row['aux_loss']:.4f}  load {row.get('max_load', 0.0):.2f}x  "
+                 f"dropped {row.get('dropped_tokens', 0)}")
+    return line
 
 
 def _ratio(value) -> Text:
@@ -61,16 +66,42 @@ def comparison_table(report: dict) -> Table:
     return table
 
 
+def restarts_table(restarts: list) -> Table:
+    """One row per restart: when, which rank and why, the step resumed from, what was lost."""
+    table = Table(title=f"{len(restarts)} restart(s) (--max-restarts)", title_justify="left", show_edge=False,
+                  pad_edge=False)
+    for column, justify in (("#", "right"), ("at", "right"), ("rank", "right"), ("why", "left"),
+                            ("resumed from", "right"), ("steps lost", "right"), ("time lost", "right"),
+                            ("layout", "left")):
+        table.add_column(column, justify=justify, no_wrap=column != "why")
+    for r in restarts:
+        layout = r.get("layout")
+        table.add_row(str(r["attempt"]), human_seconds(r["at_s"]), str(r["rank"]), f"{r['kind']}: {r['reason']}",
+                      f"step {r['resumed_from']}", str(r["steps_lost"]), human_seconds(r["seconds_lost"]),
+                      "same" if not layout else f"tp={layout['tp']} cp={layout['cp']} dp={layout['dp']} "
+                                                f"pp={layout['pp']}")
+    return table
+
+
 def render_header(model: dict, training: dict, layout: dict, resumed: dict | None) -> None:
     """What runs (printed before the ranks start): model, layout, batch, and the resumed step."""
     console = stdout_console()
     console.print(Text(
         f"msdist train: {model.get('name') or 'model'} at tp={layout['tp']} cp={layout['cp']} dp={layout['dp']} "
-        f"pp={layout['pp']} ({layout['world_size']} ranks), {training['global_batch_size']} sequences x "
+        f"pp={layout['pp']}{_expert_axes(layout)} ({layout['world_size']} ranks), "
+        f"{training['global_batch_size']} sequences x "
         f"{model['seq_length']} tokens per step, micro-batch {training['micro_batch_size']}, zero stage "
         f"{training['zero_stage']}, recompute {training['recompute']}, {training['mode']}", style="bold"))
     if resumed:
         console.print(f"resumed from {resumed['directory']} (step {resumed['step']})")
+
+
+def _expert_axes(layout: dict) -> str:
+    """`` ep=4 etp=1`` when the layout has expert axes of its own, else empty."""
+    ep, etp = layout.get("ep", 1) or 1, layout.get("etp")
+    if ep == 1 and (etp is None or etp == layout["tp"]):
+        return ""
+    return f" ep={ep} etp={etp if etp is not None else layout['tp']}"
 
 
 def live_console() -> Console:
@@ -107,18 +138,59 @@ def render_report(report: dict, shown=()) -> None:
     console.print(comparison_table(report))
     for path in report.get("checkpoints") or []:
         console.print(f"saved {path}")
+    restarts = report.get("restarts") or []
+    if restarts:
+        console.print(restarts_table(restarts))
+    stopped = report.get("stopped")
+    if stopped:
+        where = stopped["saved"] or "nothing (no --save)"
+        console.print(Text(f"stopped on a signal after step {stopped['step']}: every rank saved {where}; "
+                           "resume with --resume on the --save folder (exit code 3)", style="bold yellow"))
 
 
-def render_failures(failures: list, log_dir: str, fmt: str) -> None:
-    """Which rank failed and why (stderr; with --format json also the JSON on stdout)."""
+def restart_line(record: dict) -> str:
+    """``restart 1: rank 1 crash at step 3 -> resumed from step 2 (DIR), 0 step(s) and 6.1 s lost``."""
+    where = record["checkpoint"] or "no checkpoint: from the start"
+    line = (f"restart {record['attempt']}: rank {record['rank']} {record['kind']} after step {record['reached_step']} "
+            f"({record['at_s']:.1f} s into the run) -> resumed from step {record['resumed_from']} ({where}); "
+            f"{record['steps_lost']} step(s) and {record['seconds_lost']:.1f} s lost")
+    if record.get("layout"):
+        line += f"; {record['why']}"
+    return line
+
+
+def print_restart(record: dict, console: Console | None = None) -> None:
+    """The line of a restart, as it happens (its reason follows, dimmed)."""
+    console = console or live_console()
+    console.print(Text(restart_line(record), style="bold yellow"))
+    console.print(Text(f"  {record['reason']}", style="dim"))
+
+
+def render_failures(failures: list, log_dir: str, fmt: str, restarts=(), failure=None) -> None:
+    """Which rank failed and why (stderr; with --format json also the JSON on stdout), after
+    the restarts that ran (``--max-restarts``: the last failure is the run's)."""
     if fmt == "json":
-        print_json({"ok": False, "failures": failures, "log_dir": log_dir})
+        print_json({"ok": False, "failures": failures, "log_dir": log_dir, "restarts": list(restarts),
+                    "failure": failure})
     err = stderr_console()
-    for failure in failures or [{"rank": -1, "reason": "the run did not finish", "log_tail": ""}]:
-        err.print(Text(f"rank {failure['rank']} failed: {failure['reason']}", style="bold red"))
-        if failure.get("log_tail"):
-            err.print(Panel(Text(failure["log_tail"]), title=f"rank {failure['rank']} log tail", border_style="red"))
+    if restarts:
+        err.print(Text(f"{len(restarts)} restart(s) ran; the last launch failed too: no restart left "
+                       "(--max-restarts).", style="bold red"))
+    if failure and not any(f["reason"].endswith(failure) for f in failures or []):
+        err.print(Text(f"stopped: {failure}", style="bold red"))
+    for item in failures or [{"rank": -1, "reason": "the run did not finish", "log_tail": ""}]:
+        err.print(Text(f"rank {item['rank']} failed: {item['reason']}", style="bold red"))
+        if item.get("log_tail"):
+            err.print(Panel(Text(item["log_tail"]), title=f"rank {item['rank']} log tail", border_style="red"))
     err.print(f"logs: {log_dir}")
+
+
+def render_interrupted(outcome: dict, fmt: str) -> None:
+    """A second signal stopped every rank at once."""
+    message = outcome.get("failure") or "stopped at once by a second signal: nothing more was saved"
+    if fmt == "json":
+        print_json({"ok": False, "interrupted": True, "failure": message, "restarts": outcome.get("restarts")})
+    stderr_console().print(Text(f"msdist train: {message}", style="bold red"))
 
 
 def node_done(node_rank: int, ok: bool) -> None:

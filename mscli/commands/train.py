@@ -24,6 +24,9 @@ from ..errors import EXIT_FAILED, UsageError, check_format, check_output_file, u
 from ..layouts import load_with_sections, resolve_model
 from ..ranks import all_ranks, dry_run_lines, failure_rows, launch_ranks, plan_launch
 
+EXIT_STOPPED = 3        # stopped on a signal after every rank saved the same step
+EXIT_INTERRUPTED = 130  # a second signal: stopped at once
+
 DEFAULT_TIMEOUT_S = 900
 # The first step compiles (jit): give every rank that long before the timeout counts steps.
 CPU_DEVICE = "cpu"
@@ -43,7 +46,7 @@ def _workload(path, sections: dict, model: Optional[str]):
 
 def build_options(workload, layout, *, steps=10, micro_batch_size=None, global_batch_size=None,
                   zero_stage=None, recompute=None, mode="jit", seed=0, lr=1e-3, data=None, save=None,
-                  save_every=0, resume=None):
+                  save_every=0, resume=None, async_save=False, keep_last=0):
     """The run's TrainOptions: the flags over the model file's ``training:`` section.
 
     Raises:
@@ -59,9 +62,28 @@ def build_options(workload, layout, *, steps=10, micro_batch_size=None, global_b
         zero_stage=t.zero_stage if zero_stage is None else zero_stage,
         recompute=recompute or t.recompute, mode=mode, seed=seed, lr=lr, precision=t.precision,
         data=os.path.abspath(data) if data else None, save=os.path.abspath(save) if save else None,
-        save_every=save_every, resume=os.path.abspath(resume) if resume else None)
+        save_every=save_every, resume=os.path.abspath(resume) if resume else None, async_save=async_save,
+        keep_last=keep_last)
     microbatches(opts, layout.dp)
     return opts
+
+
+def check_fault_flags(max_restarts: int, rejoin_timeout: float, save) -> None:
+    """``--max-restarts`` and ``--rejoin-timeout`` in range (a restart without ``--save``
+    starts again from step 0: allowed, and said in the docs)."""
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts {max_restarts} is invalid: expected 0 (no restart) or more.")
+    if not rejoin_timeout > 0:
+        raise UsageError(f"--rejoin-timeout {rejoin_timeout} is invalid: expected a positive number of seconds.")
+
+
+def check_fault_switch(layout, opts, resume_info) -> None:
+    """``MSDIST_FAULT`` (fault injection) parsed and checked against the run before any rank starts."""
+    from mindscience.distributed.training import faults
+
+    first = (resume_info or {}).get("step") or 0
+    faults.check_faults(faults.parse_faults(os.environ.get(faults.FAULT_ENV)), layout.world_size,
+                        first + opts.steps)
 
 
 def check_model(workload, layout) -> None:
@@ -158,14 +180,17 @@ def run_cluster(workload, layout, local: bool, calibrate: Optional[str]):
 
 
 def report_from_ranks(ranks: dict, *, layout, workload, opts, estimate: dict, peak_tflops: float,
-                      extra: dict) -> dict:
-    """The report (:mod:`mindscience.distributed.training.report`) of the ranks' records."""
+                      extra: dict, earlier=()) -> dict:
+    """The report (:mod:`mindscience.distributed.training.report`) of the ranks' records;
+    ``earlier``: the ``(step, loss, seconds)`` kept from launches a restart replaced."""
     from mindscience.distributed.training import report as tr
 
     got = tr.collect(ranks)
     merged = tr.merge_rank_steps(got["steps"])
+    merged = sorted(list(earlier) + [row for row in merged if row[0] not in {r[0] for r in earlier}])
     tokens = opts.global_batch_size * workload.model.seq_length
-    rows = tr.step_rows(merged, tokens, estimate["time"]["model_flops_per_step"], layout.world_size, peak_tflops)
+    rows = tr.step_rows(merged, tokens, estimate["time"]["model_flops_per_step"], layout.world_size, peak_tflops,
+                        moe=tr.moe_by_step(got["steps"]))
     training = {**asdict(workload.training), **opts.to_dict()}
     return tr.build_report(layout=layout.to_dict(), model=asdict(workload.model), training=training, steps=rows,
                            rank_memory=got["memory"], estimate=estimate, tokens_per_step=tokens,
@@ -199,13 +224,14 @@ class StepPrinter:
 
         ranks = snapshot.get("ranks") or {}
         try:
-            done = tr.finished_steps(tr.collect(ranks)["steps"], ranks)
+            rank_steps = tr.collect(ranks)["steps"]
+            done = tr.finished_steps(rank_steps, ranks)
         except ValueError:
             return  # ranks that disagree on a loss: the final report names them
         new = [row for row in done if row[0] not in self.printed]
         if not new:
             return
-        render_train.print_steps(tr.step_rows(new, *self.scale), self.console)
+        render_train.print_steps(tr.step_rows(new, *self.scale, moe=tr.moe_by_step(rank_steps)), self.console)
         self.printed.update(row[0] for row in new)
 
 
@@ -236,6 +262,11 @@ def train(
     loopback_nodes: Optional[int] = typer.Option(None, "--loopback-nodes", help="Simulate this many nodes on this machine over loopback."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the msrun command of every node and exit."),
     log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Folder for msrun logs and per-rank results (default msdist_logs/train)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="After a rank dies, hangs or fails: stop all, relaunch from the newest complete checkpoint under --save, up to N times."),
+    async_save: bool = typer.Option(False, "--async-save", help="Write checkpoints in the background: a step stalls only for the host copy."),
+    keep_last: int = typer.Option(0, "--keep-last", help="Keep only the newest K complete checkpoints under --save (0: all)."),
+    elastic: bool = typer.Option(False, "--elastic", help="At a restart, go on with the nodes that came back (the layout msdist suggest ranks first for them)."),
+    rejoin_timeout: float = typer.Option(60.0, "--rejoin-timeout", help="Seconds to wait for every node at a restart."),
 ) -> None:
     """Train GPTModel with DistributedOptimizer (AdamW) at the layout; measured beside the plan."""
     from mindscience.distributed.costmodel import estimate
@@ -244,6 +275,7 @@ def train(
         check_format(fmt)
         if timeout <= 0:
             raise UsageError(f"--timeout {timeout} is invalid: expected a positive number of seconds.")
+        check_fault_flags(max_restarts, rejoin_timeout, save)
         if output:
             check_output_file("--output", output)
         spec_layout, path, sections = load_with_sections(layout)
@@ -251,12 +283,13 @@ def train(
         opts = build_options(workload, spec_layout, steps=steps, micro_batch_size=micro_batch_size,
                              global_batch_size=global_batch_size, zero_stage=zero_stage, recompute=recompute,
                              mode=mode, seed=seed, lr=lr, data=data, save=save, save_every=save_every,
-                             resume=resume)
+                             resume=resume, async_save=async_save, keep_last=keep_last)
         from mindscience.distributed.training.loop import training_spec
 
         workload = replace(workload, training=training_spec(workload.training, opts))
         check_model(workload, spec_layout)
         resume_info = check_resume(opts.resume, workload, opts) if opts.resume else None
+        check_fault_switch(spec_layout, opts, resume_info)
         token_file = check_data(opts, workload, resume_info)
         if opts.save:
             from ..errors import check_output_folder
@@ -283,25 +316,66 @@ def train(
         printer = StepPrinter(tokens_per_step=opts.global_batch_size * workload.model.seq_length,
                               flops_per_step=predicted["time"]["model_flops_per_step"],
                               world_size=spec_layout.world_size, peak_tflops=priced.cluster.peak_tflops)
-    result = launch_ranks(spec, spec_layout, plan, progress=fmt == "rich", timeout=timeout, local=local,
-                          nodes=nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                          loopback_nodes=loopback_nodes, log_dir=run_dir, on_progress=printer)
+    plan = dict(plan, nodes=nodes or loopback_nodes or 1)
+
+    def launch(spec, layout, plan, log_dir, progress):
+        port = master_port if plan["mode"] == "cluster" or log_dir == run_dir else None
+        return launch_ranks(spec, layout, plan, progress=fmt == "rich", timeout=timeout, local=local, nodes=nodes,
+                            node_rank=plan.get("node_rank", node_rank), master_addr=master_addr, master_port=port,
+                            loopback_nodes=plan["nodes"] if plan["mode"] == "loopback" else None, log_dir=log_dir,
+                            on_progress=progress)
+
+    printers = {spec_layout.world_size: printer}
+
+    def progress(snapshot, layout):
+        if printer is None:
+            return
+        if layout.world_size not in printers:  # an elastic restart at another world size
+            printers[layout.world_size] = StepPrinter(
+                tokens_per_step=opts.global_batch_size * workload.model.seq_length,
+                flops_per_step=estimate(layout, priced)["time"]["model_flops_per_step"],
+                world_size=layout.world_size, peak_tflops=priced.cluster.peak_tflops)
+            printers[layout.world_size].printed = printers[spec_layout.world_size].printed
+        printers[layout.world_size](snapshot)
+
+    def restarted(record):
+        if printer is not None:
+            printer.printed.difference_update(k for k in list(printer.printed) if k > record["resumed_from"])
+        if fmt == "rich":
+            render_train.print_restart(record)
+
+    from .. import restarts
+
+    outcome = restarts.run(layout=spec_layout, workload=workload, opts=opts, resume_info=resume_info, plan=plan,
+                           launch=launch, build_spec=build_spec, check_model=check_model, max_restarts=max_restarts,
+                           elastic=elastic, rejoin_timeout=rejoin_timeout, node_rank=node_rank, nodes=nodes,
+                           run_dir=run_dir, on_restart=restarted, on_progress=progress)
+    result, run_layout, plan = outcome["result"], outcome["layout"], outcome["plan"]
+    if outcome["interrupted"] or result is None:
+        render_train.render_interrupted(outcome, fmt)
+        raise typer.Exit(EXIT_INTERRUPTED)
     if plan["mode"] == "cluster" and node_rank:
         render_train.node_done(node_rank, result.ok)
         if not result.ok:
             raise typer.Exit(EXIT_FAILED)
+        if outcome["stopped"]:
+            raise typer.Exit(EXIT_STOPPED)
         return
     failures = failure_rows(result)
     if failures or not result.ok:
-        render_train.render_failures(failures, result.log_dir, fmt)
+        render_train.render_failures(failures, result.log_dir, fmt, restarts=outcome["restarts"],
+                                     failure=outcome["failure"])
         raise typer.Exit(EXIT_FAILED)
     with user_errors():
+        if run_layout is not spec_layout:
+            predicted = estimate(run_layout, priced)
         report = report_from_ranks(
-            all_ranks(result, plan), layout=spec_layout, workload=workload, opts=opts, estimate=predicted,
-            peak_tflops=priced.cluster.peak_tflops,
+            all_ranks(result, plan), layout=run_layout, workload=workload, opts=opts, estimate=predicted,
+            peak_tflops=priced.cluster.peak_tflops, earlier=outcome["earlier"],
             extra={"log_dir": result.log_dir, "duration_s": result.duration_s,
                    "resumed": resume_info, "token_file": token_file and asdict(token_file),
-                   "cluster": asdict(priced.cluster)})
+                   "cluster": asdict(priced.cluster), "restarts": outcome["restarts"],
+                   "stopped": outcome["stopped"]})
     if output:
         with open(output, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=2)
@@ -313,3 +387,5 @@ def train(
         render_train.render_report(report, shown=printer.printed if printer else ())
     if not report["ok"]:
         raise typer.Exit(EXIT_FAILED)
+    if outcome["stopped"]:
+        raise typer.Exit(EXIT_STOPPED)

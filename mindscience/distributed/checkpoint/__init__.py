@@ -29,14 +29,18 @@ Importing this package does not import MindSpore; ``save``/``load`` load it on f
 
 import importlib
 
-from .errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError
+from .errors import (CheckpointError, CheckpointExpertCountError, CheckpointFormatError,
+                     CheckpointIntegrityError)
 from .manifest import FORMAT_VERSION, READ_VERSIONS
 
-_LAZY = {"save": "cell", "load": "cell", "set_global_layer_names": "cell",
+_LAZY = {"save": "cell", "save_async": "cell", "agree_written": "cell", "load": "cell",
+         "set_global_layer_names": "cell",
          "named_parameters": "cell", "inspect": "offline", "reshard": "offline", "merge": "offline"}
 
-__all__ = ["save", "load", "set_global_layer_names", "named_parameters", "inspect", "reshard",
+__all__ = ["save", "save_async", "agree_written", "load", "set_global_layer_names", "named_parameters",
+           "inspect", "reshard",
            "merge", "CheckpointError", "CheckpointIntegrityError", "CheckpointFormatError",
+           "CheckpointExpertCountError",
            "FORMAT_VERSION", "READ_VERSIONS"]
 
 

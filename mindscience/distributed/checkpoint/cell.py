@@ -17,15 +17,16 @@ import mindspore as ms
 
 from ..sharding import get_sharding
 from ..topology.layout import Layout
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointExpertCountError
 from .files import st_dtype_of
 from .manifest import CheckpointReader
-from .plan import (global_shape_from_local, layer_index, local_shape, piece_for, rename_layers,
-                   writes)
+from .plan import (expert_entries, expert_name, expert_sharding, global_shape_from_local,
+                   layer_index, local_shape, piece_for, rename_layers, writes)
 from . import zero
 from .writer import LAYOUT_KEYS, finish, prepare, write_rank
 
-__all__ = ["save", "load", "set_global_layer_names", "named_parameters", "layer_prefixes"]
+__all__ = ["save", "save_async", "agree_written", "PendingSave", "load", "set_global_layer_names",
+           "named_parameters", "layer_prefixes"]
 
 _OFFSET_ATTR = "_msdist_layer_offsets"
 
@@ -123,10 +124,23 @@ def _marked(param) -> bool:
     return hasattr(param, "parallel_axis") or getattr(param, "tensor_model_parallel", False)
 
 
+def _expert(param) -> bool:
+    """An expert parameter (dim 0 = this ep rank's local experts), see :mod:`.plan`."""
+    return bool(getattr(param, "expert_parallel", False))
+
+
+def _transient(param) -> bool:
+    """A buffer a model marks as not part of its state (``param.checkpoint = False``:
+    e.g. GPTModel's per-step MoE statistics)."""
+    return getattr(param, "checkpoint", True) is False
+
+
 def _entries(cell) -> list:
-    """``(global name, parameter, sharding, base global name, position)`` per parameter
-    (see :func:`named_parameters`); ``position`` is its index in the cell's parameter
-    order (an optimizer state has its base parameter's). A DistributedOptimizer's state
+    """``(global name, parameter, sharding, base global name, position, expert)`` per
+    parameter (see :func:`named_parameters`); ``position`` is its index in the cell's
+    parameter order (an optimizer state has its base parameter's); ``expert``: it (or its
+    base) is an expert parameter, stored per expert (:mod:`.plan`). Buffers marked
+    ``checkpoint = False`` are left out. A DistributedOptimizer's state
     belongs to the parameter it was built for, and its gradient buffers (the last step's)
     are left out (:func:`.zero.discover`).
 
@@ -140,7 +154,7 @@ def _entries(cell) -> list:
     bases.update({k: info.base for k, info in infos.items() if info.base is not None})
     out, seen, index = [], set(), {}
     for name, param in cell.parameters_and_names():
-        if id(param) in seen or id(param) in transient:
+        if id(param) in seen or id(param) in transient or _transient(param):
             continue
         seen.add(id(param))
         for prefix, offset in offsets.items():
@@ -164,8 +178,9 @@ def _entries(cell) -> list:
             base = None  # its parameter is not part of this cell: keep the state's own mark
         # an explicit mark on the state wins over its parameter's
         source = param if base is None or _marked(param) else base
+        expert = _expert(param) or (base is not None and _expert(base))
         entries.append((name, param, get_sharding(source), None if base is None else names[id(base)],
-                        index[id(param if base is None else base)]))
+                        index[id(param if base is None else base)], expert))
     all_names = [e[0] for e in entries]
     if len(set(all_names)) != len(all_names):
         dup = sorted({n for n in all_names if all_names.count(n) > 1})[0]
@@ -192,7 +207,7 @@ def named_parameters(cell) -> list:
     Raises:
         CheckpointError: see :func:`_entries`.
     """
-    return [(name, param, sharding) for name, param, sharding, _, _ in _entries(cell)]
+    return [(name, param, sharding) for name, param, sharding, _, _, _ in _entries(cell)]
 
 
 def _world():
@@ -267,6 +282,33 @@ def _gather_numpy(param) -> np.ndarray:
     return param.asnumpy()
 
 
+def _expert_parts(name: str, local, sharding: dict, layout: Layout, rank: int) -> list:
+    """``[(checkpoint name, global expert index, sharding, global shape, piece)]`` of the
+    local experts of an expert parameter of (unsharded) local shape ``local``."""
+    count = int(local[0]) * int(getattr(layout, "ep", 1) or 1)
+    parts = []
+    for k, ename in expert_entries(name, int(local[0]), layout, rank):
+        esh = expert_sharding(sharding, k, count)
+        gshape = global_shape_from_local(ename, tuple(local[1:]), esh, layout)
+        parts.append((ename, k, esh, gshape, piece_for(ename, gshape, esh, layout, rank)))
+    return parts
+
+
+def _split_experts(items: list, experts: dict) -> list:
+    """The items with every expert parameter's item replaced by one item per local expert."""
+    if not experts:
+        return items
+    out = []
+    for at, item in enumerate(items):
+        if at not in experts:
+            out.append(item)
+            continue
+        _, tag, _, _, _, array = item
+        for j, (ename, _, esh, gshape, piece) in enumerate(experts[at]):
+            out.append((ename, tag, gshape, esh, piece, np.require(array[j], requirements="C")))
+    return out
+
+
 def _optimizer_records(cell, records: list) -> list:
     """What the cell's optimizers are, for the manifest: the DistributedOptimizers'
     records (:func:`.zero.discover`), then the class of every other optimizer."""
@@ -314,6 +356,71 @@ def _agree(layout: Layout, rank: int, error, directory: str, phase: str) -> None
                           f"while {phase} (see that rank's error); nothing was saved.")
 
 
+def _stage(cell, directory, step, extra, copy: bool) -> dict:
+    """The collective part of a save, on every rank: check the arguments, create
+    ``DIR.partial`` (rank 0), gather the sharded tensors and hold every tensor this rank
+    writes as numpy (``copy``: a copy of its own, so training may go on changing the
+    parameters while it is written). The ranks agree on the outcome of each phase."""
+    layout, rank = _world()
+    directory = str(directory)
+    error, items, meta, shards, records, prefixes = None, [], {}, [], [], []
+    experts: dict = {}  # index in items -> the per-expert parts of an expert parameter
+    try:
+        step = _check_step(step)
+        _check_extra(extra)
+        prefixes = layer_prefixes(cell)
+        infos, _, records = zero.discover(cell)
+        records = _optimizer_records(cell, records)
+        for name, param, sharding, base, position, expert in _entries(cell):
+            info = infos.get(id(param))
+            if info is not None and info.role == "main" and info.base.dtype == ms.float32:
+                continue  # equal to the float32 weight (see .zero); load derives it
+            sharded = info is not None and info.sharded
+            local = info.full_shape if sharded else tuple(param.shape)
+            if expert:  # one entry per global expert (see .plan)
+                parts = _expert_parts(name, local, sharding, layout, rank)
+                mine = writes(layout, rank, parts[0][2]["axis"], parts[0][2]["expert"])
+                if sharded:
+                    shards.append((len(items) if mine else None, info, param))
+                if not mine:
+                    continue
+                experts[len(items)] = parts
+                tag, array = _to_numpy(param) if not sharded else (_tag(param), None)
+                if copy and array is not None:
+                    array = np.array(array, copy=True)
+                items.append((name, tag, local, sharding, None, array))
+                meta.update({ename: {"layer": layer_index(base or name, prefixes),
+                                     "position": position, "base": base and expert_name(base, k)}
+                             for ename, k, _, _, _ in parts})
+                continue
+            gshape = global_shape_from_local(name, local, sharding, layout)
+            mine = writes(layout, rank, sharding["axis"])
+            if sharded:  # every rank of the group takes part in the all-gather
+                shards.append((len(items) if mine else None, info, param))
+            if not mine:
+                continue
+            piece = piece_for(name, gshape, sharding, layout, rank)
+            tag, array = _to_numpy(param) if not sharded else (_tag(param), None)
+            if copy and array is not None:
+                array = np.array(array, copy=True)  # asnumpy may share the parameter's memory
+            items.append((name, tag, gshape, sharding, piece, array))
+            meta[name] = {"layer": layer_index(base or name, prefixes), "position": position,
+                          "base": base}
+        if rank == 0:
+            prepare(directory)
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it (see _agree)
+        error = err
+    _agree(layout, rank, error, directory, "preparing the save")
+    try:
+        _fill_sharded(items, shards)  # gathered into new arrays: copies already
+        items = _split_experts(items, experts)
+    except Exception as err:  # noqa: BLE001
+        error = err
+    _agree(layout, rank, error, directory, "gathering its sharded tensors")
+    return {"layout": layout, "rank": rank, "directory": directory, "items": items, "meta": meta,
+            "step": step, "extra": extra, "prefixes": prefixes, "records": records}
+
+
 def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] = None) -> str:
     """Save ``cell``'s parameters (all ranks call it) as a checkpoint directory.
 
@@ -344,42 +451,11 @@ def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] =
     """
     from .manifest import partial_dir
 
-    layout, rank = _world()
-    directory = str(directory)
-    error, items, meta, shards, records = None, [], {}, [], []
-    try:
-        step = _check_step(step)
-        _check_extra(extra)
-        prefixes = layer_prefixes(cell)
-        infos, _, records = zero.discover(cell)
-        records = _optimizer_records(cell, records)
-        for name, param, sharding, base, position in _entries(cell):
-            info = infos.get(id(param))
-            if info is not None and info.role == "main" and info.base.dtype == ms.float32:
-                continue  # equal to the float32 weight (see .zero); load derives it
-            sharded = info is not None and info.sharded
-            local = info.full_shape if sharded else tuple(param.shape)
-            gshape = global_shape_from_local(name, local, sharding, layout)
-            mine = writes(layout, rank, sharding["axis"])
-            if sharded:  # every rank of the group takes part in the all-gather
-                shards.append((len(items) if mine else None, info, param))
-            if not mine:
-                continue
-            piece = piece_for(name, gshape, sharding, layout, rank)
-            tag, array = _to_numpy(param) if not sharded else (_tag(param), None)
-            items.append((name, tag, gshape, sharding, piece, array))
-            meta[name] = {"layer": layer_index(base or name, prefixes), "position": position,
-                          "base": base}
-        if rank == 0:
-            prepare(directory)
-    except Exception as err:  # noqa: BLE001 - every rank must learn of it (see _agree)
-        error = err
-    _agree(layout, rank, error, directory, "preparing the save")
-    try:
-        _fill_sharded(items, shards)
-    except Exception as err:  # noqa: BLE001
-        error = err
-    _agree(layout, rank, error, directory, "gathering its sharded tensors")
+    staged = _stage(cell, directory, step, extra, copy=False)
+    layout, rank, directory = staged["layout"], staged["rank"], staged["directory"]
+    items, meta = staged["items"], staged["meta"]
+    step, extra, prefixes, records = (staged[k] for k in ("step", "extra", "prefixes", "records"))
+    error = None
     try:
         write_rank(partial_dir(directory), rank, layout.coords(rank)["pp"], items, meta=meta)
     except Exception as err:  # noqa: BLE001
@@ -400,6 +476,190 @@ def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] =
            f"writing the manifest and renaming (msdist checkpoint inspect {directory} says "
            "which checkpoint is in place)")
     return directory
+
+
+class PendingSave:
+    """A checkpoint being written in the background (:func:`save_async`).
+
+    Attributes:
+        directory: The checkpoint directory.
+        step: Its step.
+        host_copy_s: Seconds the caller was held: the host copy (and the collectives of
+            the sharded tensors), what the training loop stalls for.
+        written_s: Seconds the background write took (None until it ended).
+        error: The exception the write raised on this rank (None until :meth:`wait`).
+    """
+
+    def __init__(self, directory: str, step, host_copy_s: float):
+        self.directory, self.step, self.host_copy_s = directory, step, host_copy_s
+        self.written_s = None
+        self.error = None
+        self._thread = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Optional[BaseException]:
+        """Join the writer; returns its error on this rank (None: this rank's part is
+        written and, on rank 0, the checkpoint is in place)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.error
+
+
+def _failed_marker(rank: int) -> str:
+    return f"rank_{rank:05d}.failed"
+
+
+def _wait_for_parts(tmp: str, world_size: int, timeout_s: float) -> None:
+    """Rank 0's background writer: wait until every rank's part is in ``DIR.partial``."""
+    import os
+    import time
+
+    from .manifest import part_file
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = [r for r in range(world_size) if os.path.exists(os.path.join(tmp, _failed_marker(r)))]
+        if failed:
+            raise CheckpointError(f"save to {tmp} failed on rank(s) {', '.join(map(str, failed))} while "
+                                  "writing in the background; nothing was saved.")
+        if all(os.path.exists(os.path.join(tmp, part_file(r))) for r in range(world_size)):
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"save to {tmp}: not every rank wrote its part within {timeout_s:g} s; "
+                                  "nothing was saved.")
+        time.sleep(0.05)
+
+
+def save_async(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] = None,
+               before_write=None, after_finish=None, timeout_s: float = 3600.0) -> PendingSave:
+    """Start a save of ``cell`` (all ranks call it) and return while it is written.
+
+    The caller is held for the host copy only: the collectives of :func:`save` (checks,
+    ``DIR.partial`` created by rank 0, sharded tensors gathered) and a copy of every
+    tensor this rank writes into host memory. A background thread then writes this
+    rank's file and part; rank 0's waits for every rank's part, writes the manifest last
+    and puts the directory in place, exactly as :func:`save` does, so the checkpoint is
+    visible (listed, resumable) only once it is whole and durable; a crash before that
+    leaves the previous checkpoint as the newest. No collective runs in the background:
+    the ranks meet through the files of ``DIR.partial`` (a rank whose write fails leaves
+    ``rank_<r>.failed`` there).
+
+    Call :meth:`PendingSave.wait` on every rank before the next save (at most one in
+    flight) and before the end; agree on the outcome with :func:`agree_written`.
+
+    Args:
+        cell, directory, step, extra: As for :func:`save`.
+        before_write: Called in the background thread before writing (fault injection).
+        after_finish: Called on rank 0 in the background thread once the checkpoint is in
+            place (``--keep-last``).
+        timeout_s: How long rank 0 waits for the other ranks' parts.
+    """
+    import os
+    import threading
+    import time
+
+    from .manifest import partial_dir
+
+    started = time.perf_counter()
+    staged = _stage(cell, directory, step, extra, copy=True)
+    pending = PendingSave(staged["directory"], staged["step"], time.perf_counter() - started)
+    layout, rank = staged["layout"], staged["rank"]
+    tmp = partial_dir(staged["directory"])
+
+    def write():
+        t0 = time.perf_counter()
+        try:
+            if before_write is not None:
+                before_write()
+            write_rank(tmp, rank, layout.coords(rank)["pp"], staged["items"], meta=staged["meta"])
+            staged["items"] = None  # free the host copy
+            if rank == 0:
+                _wait_for_parts(tmp, layout.world_size, timeout_s)
+                finish(staged["directory"], layout.world_size, _layout_dict(layout), staged["step"],
+                       staged["extra"], staged["prefixes"], staged["records"])
+                if after_finish is not None:
+                    after_finish()
+        except BaseException as err:  # noqa: BLE001 - reported by wait()
+            pending.error = err
+            try:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                elif os.path.isdir(tmp):
+                    with open(os.path.join(tmp, _failed_marker(rank)), "w") as fh:
+                        fh.write(f"{type(err).__name__}: {err}\n")
+            except OSError:
+                pass
+        pending.written_s = time.perf_counter() - t0
+
+    pending._thread = threading.Thread(target=write, name=f"msdist-save-{staged['step']}", daemon=True)
+    pending._thread.start()
+    return pending
+
+
+def agree_written(pending: PendingSave) -> None:
+    """Wait for ``pending`` on every rank and agree on it (a world all-reduce): if any
+    rank's background write failed, every rank raises :class:`CheckpointError`."""
+    layout, rank = _world()
+    error = pending.wait()
+    _agree(layout, rank, error, pending.directory, "writing in the background")
+
+
+def _saved_expert_count(reader, name: str):
+    """The expert count the checkpoint holds for the expert parameter ``name`` (None: none)."""
+    entry = reader.params.get(expert_name(name, 0))
+    if entry is None:
+        return None
+    return int((entry["sharding"].get("expert") or {}).get("count") or 0) or None
+
+
+def _read_experts(reader, name, param, sharding, info, layout, rank, strict):
+    """``(checkpoint names, local array, dtype tag)`` of this rank's experts of the expert
+    parameter ``name`` (stacked on dim 0, then this rank's ZeRO rows), or None when the
+    checkpoint lacks it and ``strict`` is off.
+
+    Raises:
+        CheckpointExpertCountError: the checkpoint holds another number of experts.
+        CheckpointError: missing (strict) or of a shape this layout cannot split.
+    """
+    sharded = info is not None and info.sharded
+    have = tuple(info.full_shape if sharded else param.shape)
+    count = have[0] * int(getattr(layout, "ep", 1) or 1)
+    saved = _saved_expert_count(reader, name)
+    if saved is None:
+        if strict:
+            raise CheckpointError(f"expert parameter {name!r} of the model is missing from the "
+                                  f"checkpoint {reader.directory} (no {expert_name(name, 0)!r}; "
+                                  "strict=True).")
+        return None
+    if saved != count:
+        raise CheckpointExpertCountError(
+            f"parameter {name!r}: the checkpoint {reader.directory} holds {saved} experts, this "
+            f"model {count} (num_moe_experts): expert weights are not re-cut to another expert "
+            f"count. Build the model with num_moe_experts={saved} to load it (any ep dividing "
+            f"{saved} works), or start from another checkpoint.")
+    arrays, names, dtype = [], [], None
+    for k, ename in expert_entries(name, have[0], layout, rank):
+        entry = reader.params.get(ename)
+        if entry is None:
+            raise CheckpointError(f"expert {k} of {name!r} ({ename!r}) is missing from the "
+                                  f"checkpoint {reader.directory}: it is incomplete.")
+        esh = expert_sharding(sharding, k, count)
+        piece = piece_for(ename, entry["shape"], esh, layout, rank)
+        want = local_shape(entry["shape"], piece)
+        if tuple(want) != have[1:]:
+            raise CheckpointError(
+                f"parameter {name!r}: this rank's shape per expert is {have[1:]}, but expert {k}'s "
+                f"global shape {tuple(entry['shape'])} split as {esh} at etp="
+                f"{getattr(layout, 'etp', layout.tp)} gives {want}.")
+        arrays.append(np.array(reader.read_piece(ename, piece)))
+        names.append(ename)
+        dtype = entry["dtype"]
+    array = np.stack(arrays)
+    if sharded:  # this rank's rows of the dim-0 shard, zero padded
+        array = zero.shard_of(array, info.group.size, info.group.rank)
+    return names, array, dtype
 
 
 def load(cell, directory, *, strict: bool = True) -> dict:
@@ -438,10 +698,16 @@ def load(cell, directory, *, strict: bool = True) -> dict:
         zero.check_records(reader.manifest.get("optimizers"), _optimizer_records(cell, records),
                            directory)
         derived = []  # main weights the checkpoint lacks: set from the loaded weights
-        for name, param, sharding in named_parameters(cell):
-            entry = reader.params.get(name)
+        for name, param, sharding, _, _, expert in _entries(cell):
             info = infos.get(id(param))
             sharded = info is not None and info.sharded
+            if expert:
+                got = _read_experts(reader, name, param, sharding, info, layout, rank, strict)
+                if got is not None:
+                    names, array, dtype = got
+                    values.append((param, names, _to_tensor(array, dtype, param)))
+                continue
+            entry = reader.params.get(name)
             if entry is None:
                 if info is not None and info.role == "main":
                     derived.append((param, name, info))
@@ -484,7 +750,8 @@ def load(cell, directory, *, strict: bool = True) -> dict:
         index = {n: i for i, n in enumerate(names_all)}
         used = np.zeros(max(1, len(names_all)), np.float32)
         for _, name, _ in values:
-            used[index[name]] = 1
+            for one in ([name] if isinstance(name, str) else name):
+                used[index[one]] = 1
         used = _world_sum(layout, used)
         extra = [n for n, i in index.items() if not used[i]]
         if extra:
@@ -500,5 +767,6 @@ def load(cell, directory, *, strict: bool = True) -> dict:
     if reader.note and rank == 0:
         warnings.warn(reader.note, stacklevel=2)
     return {"step": manifest.get("step"), "extra": manifest.get("extra"),
-            "layout": manifest["layout"], "loaded": [n for _, n, _ in values],
+            "layout": manifest["layout"],
+            "loaded": [m for _, n, _ in values for m in ([n] if isinstance(n, str) else n)],
             "note": reader.note}

@@ -97,6 +97,9 @@ class LaunchResult:
         warnings: Things that did not fail the run but deserve a look.
         job_id: The ``MSDIST_HARNESS_JOB`` value every process of the job carried.
         master_port: The scheduler's port (``MS_SCHED_PORT`` of every process).
+        failed_at: Wall-clock time (``time.time()``) the launcher saw the first failure,
+            or None (for ``msdist train --max-restarts``' timings).
+        ended_at: Wall-clock time every process of the job was stopped.
     """
 
     ok: bool
@@ -112,6 +115,8 @@ class LaunchResult:
     warnings: list = field(default_factory=list)
     job_id: str = ""
     master_port: Optional[int] = None
+    failed_at: Optional[float] = None
+    ended_at: Optional[float] = None
 
     @property
     def passed(self) -> bool:
@@ -223,6 +228,9 @@ def _run_job(*, job_id, start, expected, whole_world, out_dir, log_dirs, launche
     if left:
         warnings.append(f"processes {left} of the job could not be killed")
     clean_exit = returncode == 0 or (stopped and monitor.all_done())
+    failed_at = None
+    if monitor.first_failure_at is not None:
+        failed_at = time.time() - (time.monotonic() - monitor.first_failure_at)
     return dict(
         ok=monitor.all_done() and not failures and not monitor.timed_out and clean_exit,
         returncode=returncode,
@@ -232,6 +240,8 @@ def _run_job(*, job_id, start, expected, whole_world, out_dir, log_dirs, launche
         failures=failures,
         stopped=stopped,
         warnings=warnings,
+        failed_at=failed_at,
+        ended_at=time.time(),
     )
 
 

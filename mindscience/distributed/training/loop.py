@@ -52,6 +52,27 @@ def training_spec(base, opts: TrainOptions):
                    distributed_optimizer=opts.zero_stage >= 1)
 
 
+def _global_rank() -> int:
+    from mindspore.communication import get_rank
+
+    return int(get_rank())
+
+
+def _world_sum(values: np.ndarray) -> np.ndarray:
+    """``values`` summed over every rank (float64 kept as float32 on the wire: counts up to
+    2**24 exactly); itself without ranks."""
+    from mindscience.distributed import manager
+
+    if not manager.is_initialized() or manager.get_layout().world_size == 1:
+        return values
+    import mindspore as ms
+    from mindspore import mint
+
+    tensor = ms.Tensor(values.astype(np.float32))
+    mint.distributed.all_reduce(tensor)
+    return tensor.asnumpy().astype(np.float64)
+
+
 class Trainer:
     """Train the reference transformer at the current layout.
 
@@ -107,6 +128,14 @@ class Trainer:
         self.first_step = 0  # steps already trained (the resumed step counter)
         self.first_sequence = 0  # data position of step 0 in the token file
         self.saved: list = []
+        self.save_stalls: list = []  # seconds each save held the step (the host copy when async)
+        self.pending = None  # the checkpoint being written in the background (--async-save)
+        self.stop_signal = None  # the signal that asked this rank to stop (install_stop_handler)
+        self.stopped_at = None  # the step after which the ranks agreed to stop
+        from . import faults
+
+        self.faults, self.attempt = faults.env_faults()
+        self.rank = _global_rank() if parallel else 0
         # What checkpoints hold: the model and the optimizer (its moments, main weights
         # and step counter at any ZeRO stage, see checkpoint.zero).
         self.checkpoint_cell = nn.CellList([self.model, self.optimizer])
@@ -137,8 +166,48 @@ class Trainer:
                                                   mode=self.opts.mode)
         self.optimizer(grads)
         value = self.global_loss(loss)
+        moe = self.moe_step()
         seconds = time.perf_counter() - started
-        return {"step": step + 1, "loss": value, "time_s": seconds}
+        return {"step": step + 1, "loss": value, "time_s": seconds, **(moe or {})}
+
+    def moe_step(self) -> dict | None:
+        """A MoE model's step statistics, the same on every rank (None for a dense model):
+        ``aux_loss`` (the aux losses of every MoE layer, mean over micro-batches, as they
+        entered the objective; ``loss`` is the language-model loss alone),
+        ``max_load`` (the largest over the MoE layers of max/mean tokens per expert,
+        summed over the data-parallel ranks: 1.0 is a perfect balance) and
+        ``dropped_tokens`` ((token, expert) assignments dropped by capacity, all layers).
+        Then the expert bias moves (``moe_router_enable_expert_bias``) with each layer's
+        tokens per expert. One world all-reduce of ``layers x (E + 2)`` floats.
+        """
+        cfg = self.config
+        if not getattr(cfg, "num_moe_experts", None):
+            return None
+        moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        if not moe_layers:
+            return None
+        e = cfg.num_moe_experts
+        where = {i: j for j, i in enumerate(moe_layers)}
+        got = self.model.moe_metrics()
+        model = self.model
+        # Each stage's ranks: tp x cp x dp of them. The aux loss is the same on all of them
+        # (averaged); tokens are per tp group (the layer sums them over tp), distinct over
+        # cp and dp (summed), the same on every dp rank when each trains the whole batch.
+        ranks = model.tp.size * model.cp.size * self.dp_group.size
+        per_dp = self.dp_group.size if self.replicate else 1
+        vec = np.zeros((len(moe_layers), e + 2), np.float64)
+        for k, i in enumerate(got["layers"]):
+            vec[where[i], 0] = got["aux_loss"][k] / ranks
+            vec[where[i], 1:e + 1] = got["tokens"][k] / (model.tp.size * per_dp)
+            vec[where[i], e + 1] = got["dropped"][k] / (model.tp.size * per_dp)
+        vec = _world_sum(vec)
+        tokens = vec[:, 1:e + 1]
+        mean = tokens.mean(axis=1)
+        loads = np.where(mean > 0, tokens.max(axis=1) / np.maximum(mean, 1e-30), 0.0)
+        if cfg.moe_router_enable_expert_bias:
+            model.update_expert_bias({i: tokens[where[i]] for i in model.moe_blocks})
+        return {"aux_loss": float(vec[:, 0].sum()), "max_load": float(loads.max()),
+                "dropped_tokens": int(round(float(vec[:, e + 1].sum())))}
 
     def global_loss(self, loss) -> float:
         """The global batch's loss on every rank: the last pipeline stage's, averaged over dp.
@@ -164,16 +233,52 @@ class Trainer:
     # ----------------------------------------------------------------- checkpoints
     def save(self, directory: str, steps_done: int) -> str:
         """Checkpoint after ``steps_done`` steps: weights, optimizer state (its step counter
-        included), and in ``extra`` the data position and what the run was."""
+        included), and in ``extra`` the data position and what the run was.
+
+        With ``async_save`` the step stalls only for the host copy: the previous save (at
+        most one in flight) is waited for and agreed on first, then the files are written
+        in the background (``checkpoint.save_async``). ``keep_last`` then removes older
+        complete checkpoints on rank 0, once the new one is in place."""
         from mindscience.distributed import checkpoint
+
+        from . import faults
 
         extra = {"data_position": self.data_position(steps_done), "seed": self.opts.seed,
                  "data": self.opts.data, "global_batch_size": self.opts.global_batch_size,
                  "zero_stage": self.opts.zero_stage, "model": self.spec.name,
                  "model_spec": asdict(self.spec)}
-        checkpoint.save(self.checkpoint_cell, directory, step=steps_done, extra=extra)
+        fault = faults.fault_at(self.faults, rank=self.rank, step=steps_done, attempt=self.attempt,
+                                kinds=faults.SAVE_KINDS)
+
+        def before_write():
+            if fault is not None:
+                faults.fire(fault)
+
+        def after_finish():
+            if self.opts.keep_last and self.rank == 0:
+                faults.keep_last(self.opts.save, self.opts.keep_last, protect=[steps_done])
+
+        started = time.perf_counter()
+        if self.opts.async_save:
+            self.wait_for_save()
+            self.pending = checkpoint.save_async(self.checkpoint_cell, directory, step=steps_done, extra=extra,
+                                                 before_write=before_write, after_finish=after_finish)
+        else:
+            before_write()
+            checkpoint.save(self.checkpoint_cell, directory, step=steps_done, extra=extra)
+            after_finish()
+        self.save_stalls.append(time.perf_counter() - started)
         self.saved.append(directory)
         return directory
+
+    def wait_for_save(self) -> None:
+        """Wait for the checkpoint being written in the background (every rank calls it)
+        and agree on it: a failure on any rank raises on every rank."""
+        from mindscience.distributed import checkpoint
+
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            checkpoint.agree_written(pending)
 
     def maybe_save(self, step: int) -> str | None:
         """Save after 0-based ``step`` when ``--save-every`` or the end of the run says so."""
@@ -182,6 +287,36 @@ class Trainer:
                                                                self.opts.save_every):
             return None
         return self.save(step_dir(self.opts.save, done), done)
+
+    # ----------------------------------------------------------------- stop on a signal
+    def install_stop_handler(self) -> None:
+        """SIGTERM / SIGINT ask this rank to stop after its step (:meth:`stop_agreed`);
+        a second one exits at once."""
+        import os
+        import signal
+
+        def handler(signum, frame):
+            if self.stop_signal is not None:
+                os._exit(128 + signum)
+            self.stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+    def stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop: a world all-reduce of the flag, every step
+        (so all ranks stop after the same step, whichever rank got the signal)."""
+        from mindscience.distributed import manager
+
+        flag = np.array([1.0 if self.stop_signal is not None else 0.0], np.float32)
+        if manager.is_initialized() and manager.get_layout().world_size > 1:
+            import mindspore as ms
+            from mindspore import mint
+
+            tensor = ms.Tensor(flag)
+            mint.distributed.all_reduce(tensor)
+            flag = tensor.asnumpy()
+        return bool(flag[0] > 0)
 
     def resume(self, directory: str) -> dict:
         """Load a checkpoint (saved at any layout and ZeRO stage) and continue from its step

@@ -51,6 +51,8 @@ class TrainOptions:
         save: Folder for ``step_<k>`` checkpoints, or None.
         save_every: Save every this many steps (0: only at the end).
         resume: A checkpoint directory (``step_<k>`` or a ``--save`` folder), or None.
+        async_save: Write checkpoints in the background after a host copy (``--async-save``).
+        keep_last: Keep only the newest this many complete checkpoints (0: all).
 
     Raises:
         TrainOptionError: a value out of range.
@@ -69,12 +71,15 @@ class TrainOptions:
     save: str | None = None
     save_every: int = 0
     resume: str | None = None
+    async_save: bool = False
+    keep_last: int = 0
 
     def __post_init__(self):
         _int("--steps", self.steps, 1)
         _int("--micro-batch-size", self.micro_batch_size, 1)
         _int("--global-batch-size", self.global_batch_size, 1)
         _int("--save-every", self.save_every, 0)
+        _int("--keep-last", self.keep_last, 0)
         _int("--seed", self.seed, 0)
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             raise TrainOptionError(f"--zero-stage {self.zero_stage!r} is invalid: expected 0, 1, 2 or 3.")
@@ -94,6 +99,9 @@ class TrainOptions:
         if self.save_every and not self.save:
             raise TrainOptionError(f"--save-every {self.save_every} needs --save DIR: the folder the "
                                    "checkpoints go to.")
+        for flag, value in (("--async-save", self.async_save), ("--keep-last", self.keep_last)):
+            if value and not self.save:
+                raise TrainOptionError(f"{flag} needs --save DIR: the folder the checkpoints go to.")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,7 +165,8 @@ def resolve_resume(path: str) -> str:
 # Model fields a checkpoint must agree on (the shapes and names of its parameters follow them).
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "seq_length", "vocab_size", "normalization", "activation", "position_embedding",
-                     "tie_embeddings", "bias")
+                     "tie_embeddings", "bias", "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                     "moe_shared_expert_intermediate_size", "moe_router_topk")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

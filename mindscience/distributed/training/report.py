@@ -5,7 +5,8 @@ records and :func:`mindscience.distributed.costmodel.estimate` of the same layou
 and training options. JSON keys (``msdist train --format json``)::
 
     {"ok", "layout", "model", "training",
-     "steps":     [{"step", "loss", "time_s", "tokens_per_s", "mfu"}, ...],
+     "steps":     [{"step", "loss", "time_s", "tokens_per_s", "mfu"
+                   [, "aux_loss", "max_load", "dropped_tokens": a MoE model's]}, ...],
      "measured":  {"step_time_s", "tokens_per_s", "mfu", "memory": [per stage]},
      "predicted": {"step_time_s", "tokens_per_s", "mfu", "memory": [per stage]},
      "comparison": [{"what", "stage", "measured", "predicted", "ratio"}, ...], ...}
@@ -40,16 +41,39 @@ def steady_step_time(times: list) -> float:
     return float(median(times[1:] if len(times) > 1 else times))
 
 
+# A MoE model's step statistics (Trainer.moe_step): the aux loss, max/mean tokens per
+# expert (the busiest layer) and the assignments dropped by capacity.
+MOE_KEYS = ("aux_loss", "max_load", "dropped_tokens")
+
+
 def step_rows(steps, tokens_per_step: int, flops_per_step: float, world_size: int,
-              peak_tflops: float) -> list:
-    """``[(step, loss, seconds)]`` -> the report's ``steps`` rows with tokens/s and MFU."""
+              peak_tflops: float, moe: dict | None = None) -> list:
+    """``[(step, loss, seconds)]`` -> the report's ``steps`` rows with tokens/s and MFU
+    (and ``moe[step]``'s keys, :func:`moe_by_step`, for a MoE model)."""
     rows = []
     for step, loss, seconds in steps:
         rate = tokens_per_step / seconds if seconds > 0 else 0.0
         mfu = flops_per_step / seconds / (world_size * peak_tflops * 1e12) if seconds > 0 else 0.0
         rows.append({"step": int(step), "loss": float(loss), "time_s": float(seconds), "tokens_per_s": rate,
-                     "mfu": mfu})
+                     "mfu": mfu, **((moe or {}).get(int(step)) or {})})
     return rows
+
+
+def moe_by_step(rank_steps: dict) -> dict:
+    """``{step: {"aux_loss", "max_load", "dropped_tokens"}}`` from :func:`collect`'s
+    ``steps`` (every rank reports the same values; the first rank's are taken); empty
+    for a dense model.
+
+        >>> moe_by_step({0: [{"step": 1, "loss": 5.0, "time_s": 0.5, "aux_loss": 0.02,
+        ...                   "max_load": 1.5, "dropped_tokens": 0}]})
+        {1: {'aux_loss': 0.02, 'max_load': 1.5, 'dropped_tokens': 0}}
+    """
+    out: dict = {}
+    for rank in sorted(rank_steps):
+        for row in rank_steps[rank]:
+            if row.get("aux_loss") is not None and row["step"] not in out:
+                out[row["step"]] = {k: row[k] for k in MOE_KEYS if k in row}
+    return out
 
 
 def merge_rank_steps(rank_steps: dict) -> list:
@@ -188,9 +212,10 @@ def collect(ranks: dict) -> dict:
     for rank, state in sorted(ranks.items()):
         for record in (state or {}).get("records", []):
             name = record.get("check")
-            if name == "train.step":
+            if name == "train.step" and not record.get("skipped"):
                 out["steps"].setdefault(int(rank), []).append(
-                    {"step": record["train_step"], "loss": record["loss"], "time_s": record["time_s"]})
+                    {"step": record["train_step"], "loss": record["loss"], "time_s": record["time_s"],
+                     **{k: record[k] for k in MOE_KEYS if k in record}})
             elif name == "train.setup":
                 out["setup"][int(rank)] = record
             elif name == "train.finish":

@@ -48,44 +48,76 @@ def _set_mode(opts) -> None:
 @check("train.setup")
 def setup(ctx: CheckContext, model: dict, training: dict, options: dict, resume: str | None = None) -> dict:
     """Build the trainer of this rank (and load ``resume``)."""
+    import time
+
     from mindscience.distributed.training.loop import Trainer
 
     from .groups import ensure_manager
 
+    started_at = time.time()
     ensure_manager(ctx)
     opts = _options(options)
     _set_mode(opts)
     trainer = Trainer(*_specs(model, training), opts)
     resumed = None
     if resume:
+        t0 = time.perf_counter()
         info = trainer.resume(resume)
         resumed = {"step": info["step"], "layout": info["layout"], "directory": resume,
-                   "loaded": len(info["loaded"])}
+                   "loaded": len(info["loaded"]), "load_s": round(time.perf_counter() - t0, 4)}
+    trainer.install_stop_handler()
     ctx.scratch[KEY] = trainer
     return {"check": "train.setup", "group": "train", "passed": True, "resumed": resumed,
-            "first_step": trainer.first_step, "microbatches": trainer.num_microbatches,
+            "first_step": trainer.first_step, "microbatches": trainer.num_microbatches, "started_at": started_at,
             "memory": trainer.memory_bytes()}
 
 
 @check("train.step")
 def step(ctx: CheckContext, index: int) -> dict:
-    """Step ``index`` of this run (0-based within the run)."""
+    """Step ``index`` of this run (0-based within the run).
+
+    Fires the fault ``MSDIST_FAULT`` names for this rank and step, if any; after the step
+    (and its scheduled save) the ranks agree whether any was asked to stop: then every
+    rank saves this step, if it has not already, waits until the checkpoint is durable,
+    and the remaining steps are skipped."""
+    import time
+
+    from mindscience.distributed.training import faults
+    from mindscience.distributed.training.options import step_dir
+
     trainer = ctx.scratch[KEY]
+    if trainer.stopped_at is not None:
+        return {"check": "train.step", "group": "train", "skipped": True, "passed": True}
     k = trainer.first_step + index
+    fault = faults.fault_at(trainer.faults, rank=ctx.rank, step=k + 1, attempt=trainer.attempt)
+    if fault is not None:
+        faults.fire(fault)
     row = trainer.train_step(k)
     saved = trainer.maybe_save(k)
+    stop = trainer.stop_agreed()
+    if stop:
+        if saved is None and trainer.opts.save:
+            saved = trainer.save(step_dir(trainer.opts.save, k + 1), k + 1)
+        trainer.wait_for_save()
+        trainer.stopped_at = k + 1
     loss = row["loss"]
-    return {"check": "train.step", "group": "train", "train_step": row["step"], "loss": loss,
-            "time_s": row["time_s"], "saved": saved,
+    # A MoE model's step statistics (Trainer.moe_step), the same on every rank.
+    return {**{key: row[key] for key in ("aux_loss", "max_load", "dropped_tokens") if key in row},
+            "check": "train.step", "group": "train", "train_step": row["step"], "loss": loss,
+            "time_s": row["time_s"], "saved": saved, "stopped": stop, "signal": trainer.stop_signal,
+            "at": time.time(),
             "passed": loss is not None and math.isfinite(loss)}
 
 
 @check("train.finish")
 def finish(ctx: CheckContext) -> dict:
-    """The rank's memory after training, and the checkpoints it wrote."""
+    """The rank's memory after training, and the checkpoints it wrote (the last one
+    written in the background waited for first)."""
     trainer = ctx.scratch.pop(KEY)
+    trainer.wait_for_save()
     return {"check": "train.finish", "group": "train", "passed": True, "memory": trainer.memory_bytes(),
-            "saved": trainer.saved}
+            "saved": trainer.saved, "stopped_at": trainer.stopped_at,
+            "save_stall_s": [round(s, 4) for s in trainer.save_stalls]}
 
 
 def _run(specs, opts, steps: int, replicate: bool = False) -> list:
