@@ -283,19 +283,19 @@ def megatron_expert_groups(world, tp, cp, pp, ep, etp, order5, key):
 
 def expert_cases(world):
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    for tp, cp, pp in factorizations(world, 8):
-        for ep in divisors:
-            for etp in sorted({1, tp, 2}):
+    for tp, cp, pp in factorizations(world, 6):
+        for ep in divisors[1:4]:
+            for etp in sorted({1, tp}):
                 if world % (etp * ep * pp) == 0 and (ep > 1 or etp != tp):
                     yield tp, cp, pp, ep, etp
 
 
-@pytest.mark.parametrize("world", [4, 8, 12, 16, 32])
+@pytest.mark.parametrize("world", [4, 8, 12, 32])
 def test_expert_groups_match_megatron_brute_force_or_fail_its_rules(world):
     """Every valid layout's expert groups equal Megatron's; every rejected one breaks a rule."""
     checked = rejected = 0
     for tp, cp, pp, ep, etp in expert_cases(world):
-        for order in FULL_ORDERS[::7]:
+        for order in FULL_ORDERS[::9]:
             dense_pp = brute_force_groups({"tp": tp, "cp": cp, "dp": world // (tp * cp * pp), "pp": pp},
                                           order.replace("ep-", "").replace("-ep", ""), "pp")
             expert_pp = megatron_expert_groups(world, tp, cp, pp, ep, etp, order, "pp")
