@@ -3,7 +3,8 @@ checks the groups with ``layout.init`` instead; the worker imports this module t
 ``spec["modules"]``, ``["_manager_checks"]``, with tests/ on the ranks' PYTHONPATH).
 
 ``manager.reinit``
-    For each layout of ``layouts`` (``[{"tp": 2, "cp": 2, "pp": 1, "order": ...}]``):
+    For each layout of ``layouts`` (``[{"tp": 2, "cp": 2, "pp": 1, "order": ...}]``, optionally
+    with ``"ep"`` and ``"etp"``):
     ``destroy_parallel()`` + ``initialize_parallel(...)``, then every group of
     ``keys`` (default tp, cp, dp, pp, dp-cp) is compared with the plan
     (``Layout.group_of``): member ranks, group rank, the backend's own size and rank,
@@ -41,7 +42,8 @@ def check_groups_against_plan(manager, rank: int, keys, extra=None) -> list[dict
     from mindscience.distributed.topology import Layout
 
     lay = manager.get_layout()
-    plan = Layout(world_size=lay.world_size, tp=lay.tp, cp=lay.cp, pp=lay.pp, order="-".join(lay.axes))
+    plan = Layout(world_size=lay.world_size, tp=lay.tp, cp=lay.cp, pp=lay.pp, order=lay.order,
+                  ep=lay.ep, etp=lay.etp)
     records = []
     for key in keys:
         planned = plan.group_of(rank, key)
@@ -99,6 +101,8 @@ def manager_reinit(ctx: CheckContext, layouts=None, keys=("tp", "cp", "dp", "pp"
             context_parallel_size=item.get("cp", 1),
             pipeline_parallel_size=item.get("pp", 1),
             order=item.get("order", "tp-cp-dp-pp"),
+            expert_model_parallel_size=item.get("ep", 1),
+            expert_tensor_parallel_size=item.get("etp"),
         )
         # "case" is one of the launcher's identity keys: it keeps layouts apart on merge.
         extra = {"layout": layout_label(lay), "case": layout_label(lay)}
@@ -159,6 +163,8 @@ def manager_errors(ctx: CheckContext) -> list[dict]:
         "pp_not_int": dict(pipeline_parallel_size=1.5),
         "order_unknown_axis": dict(order="tp-cp-dp-xx"),
         "order_missing_axis": dict(order="tp-cp-dp"),
+        "ep_not_dividing_world": dict(expert_model_parallel_size=world + 1),
+        "etp_zero": dict(expert_tensor_parallel_size=0),
     }
     for label, kwargs in bad.items():
         records.append(_expect(f"bad_sizes.{label}", lambda kw=kwargs: manager.initialize_parallel(**kw),

@@ -41,13 +41,17 @@ REINIT_LAYOUTS_4 = [
 REINIT_LAYOUTS_8 = [
     {"tp": 2, "pp": 2},
     {"tp": 4, "pp": 2, "order": "pp-tp-cp-dp"},
+    # Expert layers folded over the same ranks (etp1 x ep4 under tp2 x dp2 x pp2; etp2 x ep4
+    # with ep before cp and pp first), their groups planned == created.
+    {"tp": 2, "pp": 2, "ep": 4, "etp": 1},
+    {"tp": 2, "cp": 2, "ep": 4, "order": "pp-tp-ep-cp-dp"},
 ]
 PLAN_KEYS = ["tp", "cp", "dp", "pp", "dp-cp"]
 SEQUENCE_MAPPINGS = list(mchecks.SEQUENCE_MAPPINGS)
 UNEVEN_LAYOUTS = [{"tp": 4}, {"cp": 4}]
 # S = G + 1, a zero-length shard, and a ragged split with an empty middle shard.
 UNEVEN_SPLITS = [[2, 1, 1, 1], [1, 1, 1, 0], [3, 0, 2, 1]]
-PLAN_KEYS_8 = PLAN_KEYS + ["tp-cp", "tp-dp-pp"]
+PLAN_KEYS_8 = PLAN_KEYS + ["tp-cp", "tp-dp-pp", "ep", "etp", "edp", "etp-ep"]
 
 # Test-only check modules (tests/_*_checks.py), imported by the ranks with tests/ on their
 # PYTHONPATH (tests/_jobs.py puts it there).
@@ -270,15 +274,16 @@ def test_manager_error_paths(job4):
     for label in ("before_init.get_tensor_parallel_group", "before_init.get_layout",
                   "double_init", "bad_sizes.tp_not_dividing_world", "bad_sizes.tp_zero",
                   "bad_sizes_valueerror.order_unknown_axis", "size1_group_name",
-                  "comm_not_initialized"):
+                  "comm_not_initialized", "bad_sizes.ep_not_dividing_world", "bad_sizes.etp_zero"):
         assert f"manager_error.{label}" in labels
     assert len(recs) == 4 * len(labels)
 
 
 def _label(item, world):
     lay = Layout(world_size=world, tp=item.get("tp", 1), cp=item.get("cp", 1), pp=item.get("pp", 1),
-                 order=item.get("order", "tp-cp-dp-pp"))
-    return lay, f"tp{lay.tp}-cp{lay.cp}-dp{lay.dp}-pp{lay.pp}:{'-'.join(lay.axes)}"
+                 order=item.get("order", "tp-cp-dp-pp"), ep=item.get("ep", 1), etp=item.get("etp"))
+    experts = f"-ep{lay.ep}-etp{lay.etp}" if lay.ep > 1 or lay.etp != lay.tp else ""
+    return lay, f"tp{lay.tp}-cp{lay.cp}-dp{lay.dp}-pp{lay.pp}{experts}:{lay.order}"
 
 
 def _plan_json(lay, keys):
@@ -292,7 +297,7 @@ def _plan_json(lay, keys):
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
         fh.write(f"world_size: {lay.world_size}\ntp: {lay.tp}\ncp: {lay.cp}\npp: {lay.pp}\n"
-                 f"order: {'-'.join(lay.axes)}\n")
+                 f"ep: {lay.ep}\netp: {lay.etp}\norder: {lay.order}\n")
     result = CliRunner().invoke(app, ["plan", fh.name, "--format", "json", "--groups", ",".join(keys)])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)

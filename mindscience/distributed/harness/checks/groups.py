@@ -51,7 +51,9 @@ def ensure_manager(ctx):
             tensor_parallel_size=ctx.layout.tp,
             context_parallel_size=ctx.layout.cp,
             pipeline_parallel_size=ctx.layout.pp,
-            order="-".join(ctx.layout.axes),
+            order=ctx.layout.order,
+            expert_model_parallel_size=ctx.layout.ep,
+            expert_tensor_parallel_size=ctx.layout.etp,
         )
     return manager
 
@@ -61,7 +63,8 @@ def current_layout_args(manager):
         return None
     lay = manager.get_layout()
     return dict(tensor_parallel_size=lay.tp, context_parallel_size=lay.cp,
-                pipeline_parallel_size=lay.pp, order="-".join(lay.axes))
+                pipeline_parallel_size=lay.pp, order=lay.order,
+                expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp)
 
 
 def restore(manager, args) -> None:
@@ -71,14 +74,18 @@ def restore(manager, args) -> None:
 
 
 def reinit(manager, spec: dict):
-    """Re-create the parallel groups as ``spec`` (``{"tp", "cp", "pp"}``, each default 1)
-    says, whatever was in force; returns the new layout."""
+    """Re-create the parallel groups as ``spec`` (``{"tp", "cp", "pp", "ep"}``, each default 1,
+    and ``"etp"``, default tp) says, whatever was in force; returns the new layout."""
     if manager.is_initialized():
         manager.destroy_parallel()
     return manager.initialize_parallel(tensor_parallel_size=spec.get("tp", 1),
                                        context_parallel_size=spec.get("cp", 1),
-                                       pipeline_parallel_size=spec.get("pp", 1))
+                                       pipeline_parallel_size=spec.get("pp", 1),
+                                       expert_model_parallel_size=spec.get("ep", 1),
+                                       expert_tensor_parallel_size=spec.get("etp"))
 
 
 def layout_label(lay) -> str:
-    return f"tp{lay.tp}-cp{lay.cp}-dp{lay.dp}-pp{lay.pp}:{'-'.join(lay.axes)}"
+    """``tp2-cp1-dp2-pp2:tp-cp-dp-pp``; with split experts ``...-ep2-etp1:tp-cp-ep-dp-pp``."""
+    experts = f"-ep{lay.ep}-etp{lay.etp}" if lay.has_experts_split else ""
+    return f"tp{lay.tp}-cp{lay.cp}-dp{lay.dp}-pp{lay.pp}{experts}:{lay.order}"

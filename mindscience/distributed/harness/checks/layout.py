@@ -11,7 +11,8 @@ import numpy as np
 
 from ..registry import CheckContext, check
 
-KEYS = ("tp", "cp", "dp", "pp", "dp-cp")
+# The manager's standard keys: the dense groups, then the expert ones.
+KEYS = ("tp", "cp", "dp", "pp", "dp-cp", "ep", "etp", "edp", "etp-ep")
 
 
 def members_over_backend(group) -> list[int]:
@@ -41,7 +42,9 @@ def layout_init(ctx: CheckContext, extra_keys=()):
         layout = Layout(**layout)
     if manager.is_initialized():
         manager.destroy_parallel()
-    runtime = manager.initialize_parallel(layout.tp, layout.cp, layout.pp, "-".join(layout.axes))
+    runtime = manager.initialize_parallel(layout.tp, layout.cp, layout.pp, layout.order,
+                                          expert_model_parallel_size=layout.ep,
+                                          expert_tensor_parallel_size=layout.etp)
     records = []
     for key in (*KEYS, *extra_keys):
         group = manager.get_group(key)
@@ -63,7 +66,8 @@ def layout_init(ctx: CheckContext, extra_keys=()):
         {
             "check": "layout.communicators",
             "group": "all",
-            "passed": runtime.sizes == layout.sizes and runtime.axes == layout.axes,
+            "passed": runtime.sizes == layout.sizes and runtime.axes == layout.axes
+            and runtime.expert_sizes == layout.expert_sizes and runtime.order == layout.order,
             "max_error": 0.0,
             "created": manager.get_created_group_count(),
         }
