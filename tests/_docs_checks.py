@@ -75,6 +75,11 @@ def setup_groups(ctx):
     return {"x": _tensor((8, 4))}
 
 
+def setup_moe_groups(ctx):
+    # The snippet initializes the expert groups itself (4 ranks: tp2, ep2, etp1).
+    return {}
+
+
 def setup_mappings_uneven(ctx):
     from mindscience.distributed import manager, mappings
 
@@ -241,6 +246,8 @@ def _finite(value) -> bool:
 
 AFTER = {
     "groups": lambda ns: {"y_shape": list(ns["y"].shape), "tp_ranks": list(ns["tp"].ranks)},
+    "moe-groups": lambda ns: {"ep_ranks": list(ns["ep"].ranks), "edp_ranks": list(ns["edp"].ranks),
+                              "dispatch_ranks": list(ns["dispatch"].ranks), "first": ns["first"]},
     "mappings-uneven": lambda ns: {"sizes": list(ns["sizes"]), "full_shape": list(ns["full"].shape),
                                    "full_is_x": bool(np.array_equal(ns["full"].asnumpy(), ns["x"].asnumpy())),
                                    "heads_shape": list(ns["heads"].shape)},

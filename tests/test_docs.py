@@ -75,6 +75,10 @@ def test_snippets_keep_what_their_comments_say(snippet_job):
             by_setup.setdefault(record.get("setup"), []).append(record)
     for r in by_setup["groups"]:
         assert r["y_shape"] == [8, 8] and len(r["tp_ranks"]) == 2  # all-gather of the last dim over tp2
+    for r in by_setup["moe-groups"]:
+        assert r["ep_ranks"] in ([0, 1], [2, 3]) and r["edp_ranks"] in ([0, 2], [1, 3])
+        assert r["dispatch_ranks"] == r["ep_ranks"]
+    assert sorted(r["first"] for r in by_setup["moe-groups"]) == [0, 0, 4, 4]  # ep rank 0 and 1, twice
     for r in by_setup["mappings-uneven"]:
         assert r["sizes"] == [251, 251, 251, 250] and r["full_shape"] == [1003, 8] and r["full_is_x"]
         assert r["heads_shape"] == [1003, 2]
