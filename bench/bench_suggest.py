@@ -2,7 +2,8 @@
 
 Measures the wall time of the ``msdist`` process, as a user sees it:
 * ``msdist suggest`` for 65,536 devices (16 per node) with each bundled model preset
-  (target <= 2 s), and for 4,096 devices; at 65,536 devices also searching the
+  (target <= 2 s), and for 4,096 devices; the MoE presets (deepseek-v3, qwen3-30b-a3b,
+  mixtral-8x7b) search the expert axes too; at 65,536 devices also searching the
   micro-batch sizes 1, 2, 4, 8 (target <= 2 s);
 * ``msdist plan LAYOUT --model M`` against the same ``msdist plan LAYOUT`` without a model,
   at 65,536 ranks (JSON) and at 64 ranks (tables) (target: ratio <= 1.2);
@@ -51,9 +52,10 @@ def main() -> None:
     suggest_cases = [
         (f"--model {model} --world {world} --devices-per-node 16 --format json",
          ["suggest", "--model", model, "--world", str(world), "--devices-per-node", "16", "--format", "json"])
-        for world, models in ((65536, ("gpt3-175b", "gqa-7b")), (4096, ("gpt3-175b", "gqa-7b", "sci-transformer-s")))
+        for world, models in ((65536, ("gpt3-175b", "gqa-7b", "deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")),
+                              (4096, ("gpt3-175b", "gqa-7b", "sci-transformer-s", "deepseek-v3")))
         for model in models
-    ]
+    ]  # the MoE presets also search ep (divisors of the experts) and etp in {1, tp} for every size
     # The step-time search over four micro-batch sizes (target <= 2 s at 65,536 devices).
     suggest_cases += [
         (f"--model {model} --world 65536 --devices-per-node 16 --micro-batch-sizes 1,2,4,8 --format json",
@@ -63,6 +65,7 @@ def main() -> None:
     ]
     plan_pairs = [
         ("ascend-65536 --format json", [big, "--format", "json"], ["--model", "gpt3-175b"]),
+        ("ascend-64-ep8 (rich tables)", ["ascend-64-ep8"], ["--model", "mixtral-8x7b"]),
         ("ascend-64 (rich tables)", ["ascend-64"], ["--model", "gqa-7b"]),
     ]
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, best/median of {args.repeat} runs\n")

@@ -109,8 +109,8 @@ def test_tiny_moe_by_hand_and_config_equals_cost_model():
     dense_layer = TransformerConfig.from_model_spec(m).layer_parameters()
     moe_layer = TransformerConfig.from_model_spec(m).layer_parameters(moe=True)
     # Dense MLP gelu f=64 with biases: 64*64+64 + 64*64+64; MoE: router 512 + experts 8*(64*64*2)
-    # + shared MLP gelu 32 with biases 64*32+32 + 32*64+64.
-    assert moe_layer - dense_layer == 512 + 8 * 2 * 64 * 64 + (2 * 64 * 32 + 32 + 64) - (2 * 64 * 64 + 128)
+    # + shared MLP gelu 32 without biases (moe.SharedExperts has none) 64*32 + 32*64.
+    assert moe_layer - dense_layer == 512 + 8 * 2 * 64 * 64 + 2 * 64 * 32 - (2 * 64 * 64 + 128)
 
 
 def test_is_moe_layer_patterns():

@@ -61,8 +61,8 @@ def layer_shapes(model: ModelSpec, tp: int = 1, moe: bool = False) -> list[tuple
 
     ``moe``: a MoE layer's dense parameters: its MLP is the router ``(E, h)`` (replicated,
     no bias) and, with ``moe_shared_expert_intermediate_size``, the shared experts as a dense
-    MLP of that width (split over tp like the MLP, biases when ``model.bias``); the routed
-    experts are :func:`expert_shapes` (split over etp x ep, not tp).
+    MLP of that width (split over tp like the MLP, no biases, as ``moe.SharedExperts``); the
+    routed experts are :func:`expert_shapes` (split over etp x ep, not tp).
     """
     h, f, fc1 = model.hidden_size, model.ffn_hidden_size, mlp_fc1_width(model)
     if moe:
@@ -78,15 +78,17 @@ def layer_shapes(model: ModelSpec, tp: int = 1, moe: bool = False) -> list[tuple
     if model.bias:
         shapes.append(((h,), False))
     shapes += norm
+    bias = model.bias
     if moe:
         shapes.append(((model.num_moe_experts, h), False))  # the router
         if not f:
             return shapes
+        bias = False  # the shared experts have no biases
     shapes.append(((fc1 // tp, h), True))
-    if model.bias:
+    if bias:
         shapes.append(((fc1 // tp,), True))
     shapes.append(((h, f // tp), True))
-    if model.bias:
+    if bias:
         shapes.append(((h,), False))
     return shapes
 

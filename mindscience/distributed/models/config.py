@@ -254,7 +254,7 @@ class TransformerConfig:
 
         ``moe``: a MoE layer, whose MLP is the router ``E x h`` (no bias), the routed
         experts (:meth:`expert_parameters`) and the shared experts, a dense MLP of width
-        ``moe_shared_expert_intermediate_size`` (biases when ``bias``).
+        ``moe_shared_expert_intermediate_size`` without biases (``moe.SharedExperts``).
         """
         h, b = self.hidden_size, bool(self.bias)
         qkv = h * self.qkv_size + (self.qkv_size if b else 0)
@@ -264,7 +264,7 @@ class TransformerConfig:
         shared = self.moe_shared_expert_intermediate_size
         router = self.num_moe_experts * h
         return (2 * self._norm() + qkv + proj + router + self.expert_parameters()
-                + (self._mlp(shared, b) if shared else 0))
+                + (self._mlp(shared, False) if shared else 0))
 
     def embedding_parameters(self) -> int:
         """Word embedding ``V x h`` plus learned positions ``s x h`` (none with RoPE)."""
