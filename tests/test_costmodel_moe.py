@@ -367,3 +367,17 @@ def test_deepseek_v3_at_the_reports_layout():
     a2a = [r for r in report["communication"]["per_step"] if r["group"] == "ep"][0]
     assert a2a["crosses_nodes"] is True and a2a["message_bytes"] == 4096 * 8 * 7168 * 2
     assert a2a["count"] == 4 * 4 * 120  # 4 per MoE layer, 4 layers, 15,360 / 128 micro-batches
+
+
+def test_moe_imbalance_option_scales_the_busiest_ranks_dispatch(tmp_path):
+    path = write(tmp_path, "world_size: 8\ntp: 2\nep: 4\netp: 1\ndevices_per_node: 4\n", "ep4.yaml")
+    even = json.loads(invoke("plan", path, "--model", "tiny-moe", "--format", "json").stdout)
+    busy = json.loads(invoke("plan", path, "--model", "tiny-moe", "--moe-imbalance", 1.5, "--format", "json").stdout)
+    assert busy["model"]["moe"]["imbalance"] == 1.5
+    assert busy["model"]["moe"]["all_to_all_bytes"] == 1.5 * even["model"]["moe"]["all_to_all_bytes"]
+    assert busy["time"]["breakdown"]["compute_s"] > even["time"]["breakdown"]["compute_s"]
+    ranked = json.loads(invoke("suggest", "-m", "tiny-moe", "-w", 8, "--moe-imbalance", 2, "--format", "json").stdout)
+    assert ranked["candidates"]
+    assert_bad_input(invoke("plan", path, "--model", "tiny-moe", "--moe-imbalance", 0.5), "--moe-imbalance 0.5 is invalid")
+    assert_bad_input(invoke("suggest", "-m", "tiny-llama", "-w", 8, "--moe-imbalance", 1.2),
+                     "--moe-imbalance needs a mixture-of-experts model")

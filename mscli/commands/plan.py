@@ -121,6 +121,25 @@ def with_virtual_stages(workload, virtual_stages: Optional[int]):
     return replace(workload, training=replace(workload.training, virtual_pipeline_stages=virtual_stages))
 
 
+def with_moe_imbalance(workload, imbalance: Optional[float]):
+    """The workload priced with ``--moe-imbalance`` (None: the training section's, default 1.0).
+
+    Raises:
+        UsageError: a factor below 1, or the option without a MoE model.
+    """
+    from dataclasses import replace
+
+    if imbalance is None:
+        return workload
+    if not imbalance >= 1:
+        raise UsageError(f"--moe-imbalance {imbalance} is invalid: expected a factor >= 1, the busiest rank's "
+                         "routed tokens over the mean (1.0: balanced).")
+    if workload is None or not workload.model.is_moe:
+        raise UsageError("--moe-imbalance needs a mixture-of-experts model (num_moe_experts), e.g. --model "
+                         "mixtral-8x7b.")
+    return replace(workload, training=replace(workload.training, moe_imbalance=imbalance))
+
+
 def _pipeline_data(data, spec, schedule, microbatches, virtual_stages, workload=None) -> None:
     """The embedding groups (pp > 1) and, with ``--schedule``, the schedule data.
 
@@ -242,9 +261,13 @@ def plan(
     model: Optional[str] = typer.Option(
         None, "--model", "-m",
         help="Model file or preset (gpt3-175b, gqa-7b, llama3-405b, bloom-176b, tiny-gpt, tiny-llama, "
-        "sci-transformer-s): adds per-stage memory and "
-        "per-step communication estimates. A 'model:' section in the layout file does the same.",
+        "sci-transformer-s; MoE: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, tiny-moe): adds per-stage memory and "
+        "per-step communication estimates (and the MoE rows: experts, expert memory, all-to-all). A 'model:' "
+        "section in the layout file does the same.",
     ),
+    moe_imbalance: Optional[float] = typer.Option(
+        None, "--moe-imbalance", help="MoE: the busiest rank's routed tokens over the mean (>= 1; multiplies its "
+        "expert FLOPs, dispatched activations and all-to-all bytes; default training.moe_imbalance, 1.0)."),
     schedule: Optional[str] = typer.Option(
         None, "--schedule", help="Pipeline schedule to show: 1f1b, gpipe or interleaved (per-stage "
         "timeline, bubble, activations in flight; JSON key 'schedule')."),
@@ -266,6 +289,7 @@ def plan(
         buffsize = hccl_buffsize(hccl_buffsize_mb)
         spec, path, sections = load_with_sections(layout)
         workload = with_virtual_stages(workload_for(path, sections, model), virtual_stages)
+        workload = with_moe_imbalance(workload, moe_imbalance)
         extra = _split_keys(groups)
         if rank is not None:
             data = rank_plan(spec, rank, extra, buffsize)

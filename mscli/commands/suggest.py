@@ -14,7 +14,7 @@ from mindscience.distributed.topology import BACKENDS, Layout
 from .. import render, render_cost
 from ..errors import EXIT_FAILED, UsageError, check_format, check_output_file, user_errors, write_error
 from ..layouts import resolve_model
-from .plan import apply_cluster, hccl_buffsize
+from .plan import apply_cluster, hccl_buffsize, with_moe_imbalance
 
 
 def parse_fix(text: Optional[str]) -> dict:
@@ -151,6 +151,9 @@ def suggest(
         None, "--zero-stages", help="Search these ZeRO stages too, e.g. 0,1,2,3 (0 replicated, 1 optimizer state, "
         "2 + gradients, 3 + weights sharded over dp-cp; each layout keeps its fastest, ties to the lower memory; "
         "default: the model file's training.zero_stage)."),
+    moe_imbalance: Optional[float] = typer.Option(
+        None, "--moe-imbalance", help="MoE: the busiest rank's routed tokens over the mean (>= 1; multiplies its "
+        "expert FLOPs, dispatched activations and all-to-all bytes; default training.moe_imbalance, 1.0)."),
     calibrate: Optional[str] = typer.Option(
         None, "--calibrate", help="A `msdist verify --format json` report: take compute TFLOP/s, bandwidths and "
         "latencies from it (what it lacks stays as configured; the output says which came from where)."),
@@ -183,7 +186,7 @@ def suggest(
         if virtual_stages is not None and virtual_stages < 1:
             raise UsageError(f"--virtual-stages {virtual_stages} is invalid: expected at least 1.")
         pinned, sizes, stages = parse_fix(fix), parse_sizes(micro_batch_sizes), parse_zero_stages(zero_stages)
-        workload = load_workload(resolve_model(model))
+        workload = with_moe_imbalance(load_workload(resolve_model(model)), moe_imbalance)
         workload, sources = apply_cluster(workload, device, device_memory_gb, calibrate)
         result = search(workload, world, devices_per_node, top, hccl_buffsize(None), fix=pinned,
                         micro_batch_sizes=sizes, virtual_stages=virtual_stages, zero_stages=stages)
