@@ -80,6 +80,11 @@ def setup_moe_groups(ctx):
     return {}
 
 
+def setup_moe_gptmodel(ctx):
+    # The snippet initializes the expert groups itself (4 ranks: dp4, ep4).
+    return {}
+
+
 def setup_mappings_uneven(ctx):
     from mindscience.distributed import manager, mappings
 

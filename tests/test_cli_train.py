@@ -412,3 +412,58 @@ def test_verify_model_adds_the_dense_comparison(tmp_path, monkeypatch):
     tp4 = layout_file(tmp_path, "tp4", 4, tp=4)
     refused = runner.invoke(app, ["verify", tp4, "--model", "tiny-llama"])
     assert refused.exit_code == 2 and "num_query_groups=2 is not divisible by tp=4" in refused.stderr
+
+
+# ----------------------------------------------------------------------------- MoE (issue 36)
+def test_moe_step_line_and_json_rows():
+    """A MoE model's step line adds the aux loss, the load and the dropped assignments; the
+    report's rows take them from the ranks' records (the same on every rank)."""
+    from mindscience.distributed.training import report as tr
+    from mscli import render_train
+
+    row = {"step": 1, "loss": 5.5, "time_s": 0.5, "tokens_per_s": 100.0, "mfu": 0.01, "aux_loss": 0.0401,
+           "max_load": 1.26, "dropped_tokens": 3}
+    assert render_train.step_line(row) == ("step    1  loss 5.500000  500.00 ms  100 tokens/s  MFU 1.00%  "
+                                           "aux 0.0401  load 1.26x  dropped 3")
+    ranks = {r: {"rank": r, "records": [{"check": "train.step", "train_step": 1, "loss": 5.5, "time_s": 0.5 + r,
+                                         "aux_loss": 0.0401, "max_load": 1.26, "dropped_tokens": 3}]}
+             for r in range(2)}
+    got = tr.collect(ranks)["steps"]
+    rows = tr.step_rows(tr.merge_rank_steps(got), 512, 1e9, 2, 1.0, moe=tr.moe_by_step(got))
+    assert [(r["step"], r["time_s"], r["aux_loss"], r["max_load"], r["dropped_tokens"]) for r in rows] == [
+        (1, 1.5, 0.0401, 1.26, 3)]
+    dense = tr.step_rows([(1, 5.5, 0.5)], 512, 1e9, 2, 1.0, moe=tr.moe_by_step({0: [{"step": 1, "loss": 5.5}]}))
+    assert "aux_loss" not in dense[0]
+
+
+@pytest.mark.multiprocess
+def test_train_tiny_moe_end_to_end(tmp_path):
+    """One launch: tiny-moe (8 experts top-2) at cpu-4-ep2 (dense tp2 x dp2, experts ep2 x edp2),
+    one micro-batch of 4 sequences per dp rank, against the one-rank run in this process with the
+    global batch of 8 in one micro-batch (the aux loss is the step's tokens on both sides)."""
+    import mindspore as ms
+
+    from mindscience.distributed.topology.layout import Layout
+    from mindscience.distributed.training.loop import Trainer
+    from mscli.commands.train import model_and_options
+
+    report = run_json(tmp_path / "logs", "cpu-4-ep2", "--model", "tiny-moe", "--steps", 2, "--micro-batch-size", 4)
+    assert (report["layout"]["ep"], report["layout"]["etp"], report["layout"]["tp"]) == (2, 1, 2)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    workload, opts = model_and_options(Layout(world_size=1), "tiny-moe", steps=2, micro_batch_size=8, mode=MODE)
+    trainer = Trainer(workload.model, workload.training, opts)
+    want = [trainer.train_step(k) for k in range(2)]
+    got = report["steps"]
+    assert [s["step"] for s in got] == [1, 2]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["aux_loss"] == pytest.approx(w["aux_loss"], rel=1e-5)
+        assert g["max_load"] == pytest.approx(w["max_load"], rel=1e-5)
+        assert g["dropped_tokens"] == w["dropped_tokens"] == 0  # dropless
+        assert 1.0 <= g["max_load"] <= 8.0 and g["aux_loss"] > 0
+    # a rank holds 4 of the 8 experts and half of each dense matrix: the bytes the cost model
+    # prices for experts over ep (its weights and optimizer rows)
+    rows = {row["what"]: row for row in report["comparison"] if row["stage"] == 0}
+    for what in ("weights (bytes)", "optimizer (bytes)"):
+        assert rows[what]["ratio"] == pytest.approx(1.0, abs=0.01), rows[what]
+    assert rows["weights (bytes)"]["measured"] < trainer.memory_bytes()["weights"] / 1.9

@@ -352,7 +352,10 @@ class CheckpointReader:
                 if out is None:
                     out = _empty(shape, part.dtype, scratch)
                 out[tuple(dst)] = part
-        want = shape[entry["shards"][0]["dim"]] if entry["shards"] else None
+        # A whole stored tensor (dim None) covers any box; a split one must cover the box's
+        # extent along its dim.
+        split = entry["shards"][0]["dim"] if entry["shards"] else None
+        want = shape[split] if split is not None else None
         if out is None or covered != want:
             raise CheckpointIntegrityError(
                 f"{self.directory}: parameter {name!r} is not fully covered by its shards.")

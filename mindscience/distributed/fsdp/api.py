@@ -91,6 +91,8 @@ def _plan(cell):
             elif getattr(param, "msdist_optimizer_built", False):
                 problems.append(f"a DistributedOptimizer was already built over parameter {where}; "
                                 "call fully_shard before building the optimizer")
+            elif not param.requires_grad and getattr(param, "unsharded_buffer", False):
+                continue  # a buffer its model keeps consistent itself (MoE statistics, expert bias)
             elif not param.requires_grad:
                 problems.append(f"parameter {where} has requires_grad=False (a buffer such as "
                                 "BatchNorm statistics, updated in place): fully_shard supports "

@@ -288,6 +288,7 @@ def _buffer(value, name: str) -> ms.Parameter:
     """A non-trainable float32 buffer that checkpoints leave out (``checkpoint = False``)."""
     p = ms.Parameter(ms.Tensor(np.asarray(value, np.float32)), name=name, requires_grad=False)
     p.checkpoint = False
+    p.unsharded_buffer = True  # fully_shard leaves it whole
     return p
 
 
@@ -364,7 +365,11 @@ def _draw_moe(moe, init: Init, prefix: str, groups: dict) -> None:
     sizes = {"tp": init.tp, "etp": groups.get("etp"), "ep": groups.get("ep")}
     for path, param in moe.parameters_and_names():
         if not param.requires_grad:
-            continue  # buffers (the expert bias) keep the layer's values
+            # Buffers (the expert bias) keep the layer's values; every rank updates them
+            # alike (update_expert_bias with the step's global counts): fully_shard
+            # leaves them whole.
+            param.unsharded_buffer = True
+            continue
         local = param.astype(ms.float32).asnumpy()
         shape = list(local.shape)
         sh = get_sharding(param)
