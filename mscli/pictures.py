@@ -443,8 +443,10 @@ def bandwidth_series(report: dict) -> list[dict]:
     for row in report.get("bandwidth", []):
         if row["group_size"] <= 1:
             continue
-        key = (row["op"], row["group"])
-        entry = series.setdefault(key, {"op": row["op"], "group": row["group"], "group_size": row["group_size"],
+        mode = row.get("mode") or "pynative"
+        op = row["op"] if mode == "pynative" else f"{row['op']}-{mode}"  # the expert groups' jit rows
+        key = (op, row["group"])
+        entry = series.setdefault(key, {"op": op, "group": row["group"], "group_size": row["group_size"],
                                         "dashed": False, "points": []})
         entry["dashed"] = entry["dashed"] or bool(row.get("crosses_nodes", False))
         entry["points"].append((row["bytes"], row["busbw_gbps"]))

@@ -321,8 +321,10 @@ def bandwidth_table(rows: list[dict]) -> Table:
                             ("busbw GB/s", "right"), ("#wrong", "right"), ("", "left")):
         table.add_column(column, justify=justify)
     for row in rows:
+        mode = row.get("mode") or "pynative"
         table.add_row(
-            row["op"], row["group"] + (" (x-node)" if row.get("crosses_nodes") else ""),
+            row["op"] + ("" if mode == "pynative" else f" ({mode})"),
+            row["group"] + (" (x-node)" if row.get("crosses_nodes") else ""),
             str(row["group_size"]), _human_bytes(row["bytes"]), row["dtype"],
             f"{row['time_us']:.1f}", f"{row['algbw_gbps']:.4f}", f"{row['busbw_gbps']:.4f}",
             Text(str(row["wrong"]), style="green" if row["wrong"] == 0 else "bold red"),
@@ -356,7 +358,8 @@ def render_verify(report: dict, verbose: bool = False) -> None:
             ("msdist verify ", "bold"),
             f"{layout.get('name') or ''}  {report['ranks']} ranks  "
             f"tp={layout['tp']} cp={layout['cp']} dp={layout['dp']} pp={layout['pp']}  "
-            f"order {layout['order']}  backend {layout['backend']}",
+            + (f"ep={layout['ep']} etp={layout['etp']}  " if "ep" in layout else "")
+            + f"order {layout['order']}  backend {layout['backend']}",
             f"  ({report['duration_s']:.1f} s)" if report.get("duration_s") else "",
         )
     )
@@ -394,7 +397,8 @@ def render_verify(report: dict, verbose: bool = False) -> None:
                            "the bandwidths above", style="dim"))
         console.print()
     for miss in report.get("busbw_misses", []):
-        console.print(Text(f"below --min-busbw: {miss['op']} on {miss['group']} at "
+        mode = "" if (miss.get("mode") or "pynative") == "pynative" else f" ({miss['mode']})"
+        console.print(Text(f"below --min-busbw: {miss['op']}{mode} on {miss['group']} at "
                            f"{_human_bytes(miss['bytes'])}: {miss['busbw_gbps']:.4f} GB/s", style="bold red"))
     err = stderr_console()
     for failure in report["failures"]:

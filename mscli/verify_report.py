@@ -13,6 +13,10 @@ CHECK_KINDS = (CORRECTNESS, BANDWIDTH)
 DTYPES = ("float32", "float16", "bfloat16")
 BANDWIDTH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 BANDWIDTH_GROUPS = ("tp", "cp", "dp", "pp", "dp-cp", "world")
+# Expert groups of a layout with split experts: all-to-all rows only (token dispatch), in
+# PyNative and ms.jit as far as --mode asks for them.
+A2A_GROUPS = ("ep", "etp-ep")
+A2A_MODES = ("pynative", "jit")
 MAPPING_GROUPS = ("tp", "cp", "dp", "pp", "dp-cp")
 MODES = ("pynative", "jit", "graph")
 DEFAULT_MODES = ("pynative", "jit")
@@ -146,6 +150,7 @@ def build_spec(
                     "iters": iters,
                     "warmup": warmup,
                     "dtype": dtype,
+                    **_a2a_params(layout, modes),
                 },
             }
         )
@@ -153,6 +158,15 @@ def build_spec(
             checks.append({"name": "bandwidth.sendrecv", "params": {
                 "sizes": list(sizes), "iters": iters, "warmup": warmup, "dtype": dtype}})
     return {"layout": {k: v for k, v in layout.to_dict().items()}, "checks": checks}
+
+
+def _a2a_params(layout: Layout, modes) -> dict:
+    """The sweep's expert all-to-all rows: on ep and etp-ep when the experts are split
+    (ep > 1 or etp != tp; otherwise their groups are dense ones, already swept)."""
+    if not layout.has_experts_split:
+        return {}
+    a2a_modes = [m for m in modes if m in A2A_MODES] or ["pynative"]
+    return {"a2a_groups": list(A2A_GROUPS), "a2a_modes": a2a_modes}
 
 
 def parallel_layer_checks(layout: Layout, dtype: str, modes) -> list:
@@ -242,17 +256,21 @@ def compute_summary(ranks: dict) -> dict | None:
 
 
 def bandwidth_rows(ranks: dict, layout: Layout | None = None) -> list[dict]:
-    """op x group x size rows: slowest rank's time, algbw, busbw, total wrong elements, and
-    per op and group ``latency_us`` (the smallest size's time) and ``crosses_nodes``."""
+    """op x group x size (x mode) rows: slowest rank's time, algbw, busbw, total wrong
+    elements, and per op, group and mode ``latency_us`` (the smallest size's time) and
+    ``crosses_nodes``. ``mode`` is ``pynative`` except the expert groups' compiled
+    all-to-all rows (``jit``)."""
     rows: dict[tuple, dict] = {}
     for _, record in _records(ranks):
         if record.get("check") != "bandwidth":
             continue
-        key = (record["op"], record["group"], record["bytes"], record["dtype"])
+        mode = record.get("mode") or "pynative"
+        key = (record["op"], record["group"], record["bytes"], record["dtype"], mode)
         row = rows.get(key)
         if row is None:
             rows[key] = row = {
                 "op": record["op"],
+                "mode": mode,
                 "group": record["group"],
                 "group_size": record["group_size"],
                 "bytes": record["bytes"],
@@ -269,11 +287,11 @@ def bandwidth_rows(ranks: dict, layout: Layout | None = None) -> list[dict]:
         row["algbw_gbps"] = row["bytes"] / seconds / 1e9 if seconds > 0 else 0.0
         row["busbw_gbps"] = row["algbw_gbps"] * bus_factor(row["op"], row["group_size"])
         row["crosses_nodes"] = group_crosses_nodes(layout, row["group"])
-        key = (row["op"], row["group"], row["dtype"])
+        key = (row["op"], row["group"], row["dtype"], row["mode"])
         if key not in smallest or row["bytes"] < smallest[key]["bytes"]:
             smallest[key] = row
     for row in rows.values():
-        row["latency_us"] = smallest[(row["op"], row["group"], row["dtype"])]["time_us"]
+        row["latency_us"] = smallest[(row["op"], row["group"], row["dtype"], row["mode"])]["time_us"]
     return list(rows.values())
 
 
@@ -283,7 +301,7 @@ def busbw_misses(rows: list[dict], min_busbw: float | None) -> list[dict]:
         return []
     largest: dict[tuple, dict] = {}
     for row in rows:
-        key = (row["op"], row["group"])
+        key = (row["op"], row["group"], row.get("mode"))
         if key not in largest or row["bytes"] > largest[key]["bytes"]:
             largest[key] = row
     return [r for r in largest.values() if r["busbw_gbps"] < min_busbw]

@@ -284,3 +284,66 @@ def test_bus_factors():
     assert vr.bus_factor("all_gather", 4) == 0.75
     assert vr.bus_factor("reduce_scatter", 8) == 0.875
     assert vr.bus_factor("all_to_all", 2) == 0.5
+
+
+# ------------------------------------------------------------------ expert layouts (ep/etp)
+def _a2a_records(rank, mode, time_us):
+    return [{"check": "bandwidth", "op": "all_to_all", "mode": mode, "group": "ep=etp-ep", "group_size": 4,
+             "bytes": nbytes, "dtype": "float32", "time_us": time_us * nbytes / 1024 + rank, "wrong": 0,
+             "composed": True, "passed": True, "max_error": 0.0, "rank": rank} for nbytes in (1024, 262144)]
+
+
+def test_expert_layout_sweeps_all_to_all_on_ep_in_each_mode(monkeypatch):
+    ranks = {r: {"rank": r, "status": "done", "records": rank_result(r)["records"] + _a2a_records(r, "pynative", 10.0)
+                 + _a2a_records(r, "jit", 8.0)} for r in range(4)}
+    launcher = FakeLaunch(ranks=ranks)
+    monkeypatch.setattr(harness, "launch", launcher)
+    result = runner.invoke(app, ["verify", "cpu-4-ep2", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    call = launcher.calls[-1]
+    assert call["spec"]["layout"]["ep"] == 2 and call["spec"]["layout"]["etp"] == 1
+    sweep = next(c for c in call["spec"]["checks"] if c["name"] == "bandwidth.sweep")["params"]
+    assert sweep["a2a_groups"] == ["ep", "etp-ep"] and sweep["a2a_modes"] == ["pynative", "jit"]
+    rows = {(r["op"], r["mode"], r["bytes"]): r for r in json.loads(result.stdout)["bandwidth"]}
+    for mode, per_kib in (("pynative", 10.0), ("jit", 8.0)):
+        row = rows[("all_to_all", mode, 262144)]
+        slowest_us = per_kib * 256 + 3  # rank 3 is the slowest
+        assert row["time_us"] == pytest.approx(slowest_us)
+        assert row["algbw_gbps"] == pytest.approx(262144 / (slowest_us * 1e-6) / 1e9)
+        # nccl-tests' alltoall_perf: busbw = algbw * (n-1)/n, n = 4.
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 3 / 4)
+        assert row["latency_us"] == pytest.approx(per_kib + 3)
+    assert rows[("all_reduce", "pynative", 1048576)]["mode"] == "pynative"
+    text = runner.invoke(app, ["verify", "cpu-4-ep2"]).stdout
+    assert "all_to_all (jit)" in text and "ep=etp-ep" in text and "ep=2 etp=1" in text
+    # --mode pynative: the eager rows only; a dense layout gets no expert sweep at all.
+    runner.invoke(app, ["verify", "cpu-4-ep2", "--mode", "pynative", "--format", "json"])
+    sweep = next(c for c in launcher.calls[-1]["spec"]["checks"] if c["name"] == "bandwidth.sweep")["params"]
+    assert sweep["a2a_modes"] == ["pynative"]
+    runner.invoke(app, ["verify", "cpu-4", "--format", "json"])
+    sweep = next(c for c in launcher.calls[-1]["spec"]["checks"] if c["name"] == "bandwidth.sweep")["params"]
+    assert "a2a_groups" not in sweep
+
+
+def test_calibration_reads_the_eager_rows_only():
+    from mindscience.distributed.costmodel.calibrate import calibrate
+    from mindscience.distributed.costmodel.spec import ClusterSpec
+
+    eager = vr.bandwidth_rows({r: {"records": _a2a_records(r, "pynative", 10.0)} for r in range(4)})
+    both = vr.bandwidth_rows({r: {"records": _a2a_records(r, "pynative", 10.0) + _a2a_records(r, "jit", 1.0)}
+                              for r in range(4)})
+    assert len(both) == 2 * len(eager)
+    cluster = ClusterSpec(device="cpu")
+    assert calibrate(cluster, {"bandwidth": both}, "r.json")[0] == calibrate(cluster, {"bandwidth": eager}, "r.json")[0]
+
+
+def test_sweep_plan_of_expert_groups():
+    from mindscience.distributed.harness.checks.bandwidth import OPS, _plan
+
+    dense, a2a = ("tp", "cp", "dp", "pp", "dp-cp", "world"), ("ep", "etp-ep")
+    assert _plan("ep=etp-ep", dense, a2a, OPS, ("pynative", "jit")) == [("all_to_all", "pynative"),
+                                                                        ("all_to_all", "jit")]
+    # An ep group that is also the tp group: every op once eagerly, plus the compiled all-to-all.
+    assert _plan("tp=ep=etp-ep", dense, a2a, OPS, ("pynative", "jit")) == [(op, "pynative") for op in OPS] + [
+        ("all_to_all", "jit")]
+    assert _plan("cp=dp-cp", dense, a2a, OPS, ("pynative", "jit")) == [(op, "pynative") for op in OPS]

@@ -321,7 +321,9 @@ def calibrate(cluster: ClusterSpec, report: dict, source: str,
             values["peak_tflops"], values["compute_efficiency"] = float(tflops), 1.0
             sources["peak_tflops"] = f"{what} (above the configured peak)"
             sources["compute_efficiency"] = f"{what}: 1 of the measured peak"
-    rows = [r for r in report.get("bandwidth") or [] if r.get("busbw_gbps", 0) > 0]
+    # Eager rows only: an expert group's compiled all-to-all (mode "jit") repeats an op and group.
+    rows = [r for r in report.get("bandwidth") or [] if r.get("busbw_gbps", 0) > 0
+            and (r.get("mode") or "pynative") == "pynative"]
     smallest = _smallest_rows(rows)
     for crosses, where in ((False, "intra"), (True, "inter")):
         picked = [r for r in _largest_rows(rows) if bool(r.get("crosses_nodes")) == crosses]

@@ -7,6 +7,11 @@ Sizes follow nccl-tests' meaning of "size" (``bytes`` below):
 * reduce_scatter: the input each rank reduces (each rank keeps bytes / G);
 * all_to_all: each rank's send buffer (= its receive buffer).
 
+The expert groups of a Mixture-of-Experts layout (``a2a_groups``: ``ep``, ``etp-ep``) get
+all-to-all rows only (a MoE layer's token dispatch and combine), in each of ``a2a_modes``:
+PyNative, and ``ms.jit`` where the all-to-all is one compiled graph. busbw is nccl-tests'
+alltoall_perf: ``algbw * (n-1)/n``.
+
 Each rank times ``iters`` back-to-back calls after ``warmup`` calls and one barrier,
 synchronizing the device at the end, and reports its mean time per call; the parent
 keeps the slowest rank's time, as nccl-tests does. The last output is checked against
@@ -24,6 +29,7 @@ from ..registry import CheckContext, check
 from .groups import distinct_groups
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+A2A_MODES = ("pynative", "jit")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Relative tolerance per dtype: values are exact small integers; this only absorbs
 # rounding when sums grow past what bfloat16/float16 hold exactly in huge groups.
@@ -78,6 +84,42 @@ def _run(op: str, x, g):
     return C.all_to_all(x, g, -1, 0)
 
 
+# Compiled all-to-alls stay referenced for the life of the process: MindSpore caches
+# compiled functions by object identity (see modes._COMPILED_KEEP_ALIVE).
+_COMPILED: dict = {}
+
+
+def _compiled_all_to_all(g):
+    """``ms.jit`` of the all-to-all of :func:`_run` on ``g`` (the compiled kernel, one graph)."""
+    import mindspore as ms
+
+    from mindscience.distributed import collectives as C
+
+    key = (g.backend_name, g.size, g.rank)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        kernels = C.kernels(g, True)
+
+        def all_to_all(x):
+            return kernels.all_to_all(x, 1, 0)
+
+        fn = _COMPILED[key] = ms.jit(all_to_all)
+    return fn
+
+
+def _plan(label: str, dense_keys, a2a_keys, ops, a2a_modes) -> list[tuple[str, str]]:
+    """``(op, mode)`` pairs to time on a group labelled ``label`` (``"tp=ep=etp-ep"``).
+
+    A group any dense key (or ``world``) names gets every op eagerly; an expert group
+    gets the all-to-all in each of ``a2a_modes`` (once when it is also a dense group).
+    """
+    keys = label.split("=")
+    pairs = [(op, "pynative") for op in ops] if any(k in dense_keys for k in keys) else []
+    if any(k in a2a_keys for k in keys):
+        pairs += [("all_to_all", mode) for mode in a2a_modes if ("all_to_all", mode) not in pairs]
+    return pairs
+
+
 def _numel(nbytes: int, dtype: str, group_size: int) -> int:
     # Round down to whole elements, a multiple of the group size, at least G.
     n = max(nbytes // DTYPE_BYTES[dtype], group_size)
@@ -93,8 +135,15 @@ def bandwidth_sweep(
     iters=5,
     warmup=1,
     dtype="float32",
+    a2a_groups=(),
+    a2a_modes=("pynative",),
 ):
-    """Time each op on each group and size; return one record per measurement."""
+    """Time each op on each group and size; return one record per measurement.
+
+    ``a2a_groups`` (e.g. ``("ep", "etp-ep")``) are timed with the all-to-all only, in each
+    of ``a2a_modes`` (``pynative``, ``jit``); a group with the same ranks as one of
+    ``groups`` is timed once under a label naming both (``"tp=ep=etp-ep"``).
+    """
     import mindspore as ms
 
     from mindscience.distributed import collectives as C
@@ -107,21 +156,25 @@ def bandwidth_sweep(
     ms.runtime.synchronize()
     from mindscience.distributed import manager
 
-    for label, g in distinct_groups(manager, groups).items():
+    bad_modes = [m for m in a2a_modes if m not in A2A_MODES]
+    if bad_modes:
+        raise ValueError(f"a2a_modes {list(a2a_modes)!r} are invalid: expected a subset of {', '.join(A2A_MODES)}")
+    for label, g in distinct_groups(manager, list(groups) + list(a2a_groups)).items():
         if g.size == 1:
             continue  # nothing moves
         barrier = ms.Tensor(np.ones(g.size, np.float32))
-        for op in ops:
+        for op, mode in _plan(label, groups, a2a_groups, ops, a2a_modes):
+            run = (lambda _op, x, g: _compiled_all_to_all(g)(x)) if mode == "jit" else _run
             for nbytes in sizes:
                 numel = _numel(int(nbytes), dtype, g.size)
                 x_np, expected = _inputs(op, g, numel)
                 x = ms.Tensor(x_np, ms_dtype)
-                for _ in range(int(warmup)):
-                    _run(op, x, g)
+                for _ in range(max(int(warmup), 1 if mode == "jit" else 0)):  # jit: compile first
+                    run(op, x, g)
                 C.all_reduce(barrier, g).asnumpy()  # start together
                 start = time.perf_counter()
                 for _ in range(int(iters)):
-                    out = _run(op, x, g)
+                    out = run(op, x, g)
                 ms.runtime.synchronize()
                 got = out.astype(ms.float32).asnumpy().reshape(expected.shape)
                 elapsed = (time.perf_counter() - start) / int(iters)
@@ -131,6 +184,7 @@ def bandwidth_sweep(
                     {
                         "check": "bandwidth",
                         "op": op,
+                        "mode": mode,
                         "group": label,
                         "group_size": g.size,
                         "bytes": numel * DTYPE_BYTES[dtype],
