@@ -21,6 +21,8 @@ all_gather (dim)   eager: ``mint.distributed.all_gather`` into  ``ops.AllGather`
 reduce_scatter     COMPOSED: all-reduce + own slice of dim 0    ``ops.ReduceScatter(SUM)``
 all_to_all         COMPOSED: all-gather + own slice of          ``ops.AlltoAll``
                    ``split_dim`` of each piece + ``cat``
+all_to_all_v       each chunk padded to the largest of the size matrix, the even all-to-all,
+                   trim (both backends)
 uneven (``_v``)    pad to the largest shard, the even collective, trim (both backends)
 =================  ==========================================  ==========================
 
@@ -63,7 +65,8 @@ from .counters import call_count
 from .group import CommGroupBase, ParallelGroup
 
 __all__ = [
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "own_slice",
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v",
+    "check_split_matrix", "own_slice",
     "backend_info", "call_count", "compiling", "get_backend", "is_composed", "kernels",
     "resolve_group",
 ]
@@ -346,6 +349,73 @@ def all_to_all(x, group: GroupLike, split_dim: int, concat_dim: int):
         return x
     _check_divisible("all_to_all", f"split dim {split_dim}", x.shape[split_dim], g.size)
     return kernels(g, False).all_to_all(x, split_dim, concat_dim)
+
+
+def check_split_matrix(op: str, x, g: ParallelGroup, split_sizes) -> tuple:
+    """``split_sizes`` as a G x G tuple of ints (row i: what rank i sends to each rank),
+    checked against this rank's ``x``.
+
+    Raises:
+        ValueError: not G rows of G integers >= 0, or row ``g.rank`` does not sum to dim 0.
+    """
+    G = g.size
+    rows = []
+    ok = isinstance(split_sizes, (list, tuple)) and len(split_sizes) == G
+    if ok:
+        for row in split_sizes:
+            if not isinstance(row, (list, tuple)) or len(row) != G:
+                ok = False
+                break
+            for v in row:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    ok = False
+            rows.append(tuple(int(v) for v in row) if ok else ())
+    if not ok:
+        raise ValueError(
+            f"{op}: split_sizes={split_sizes!r} must be a {G} x {G} matrix of integers >= 0: "
+            f"row i lists the rows group rank i sends to each rank (the same matrix on every "
+            "rank)")
+    if sum(rows[g.rank]) != x.shape[0]:
+        raise ValueError(
+            f"{op}: this rank (group rank {g.rank}) sends {sum(rows[g.rank])} rows by "
+            f"split_sizes row {list(rows[g.rank])}, but x has {x.shape[0]} rows (shape "
+            f"{tuple(x.shape)})")
+    return tuple(rows)
+
+
+def all_to_all_v(x, group: GroupLike, split_sizes):
+    """Uneven all-to-all of dim 0 (MPI's alltoallv, torch's ``all_to_all_single`` with
+    split sizes).
+
+    Args:
+        x: ``(sum(split_sizes[rank]), ...)``: the rows for rank 0 first, then rank 1, ...
+        group: The group, size G.
+        split_sizes: G x G nested lists, the SAME on every rank: ``split_sizes[i][j]`` rows
+            go from group rank i to group rank j (an entry may be 0).
+
+    Returns:
+        ``(sum_i split_sizes[i][rank], ...)``: the rows from rank 0 first, then rank 1, ...
+
+    Every chunk is padded to the largest entry of the matrix so the even all-to-all of the
+    backend (``ops.AlltoAll`` natively, a gather on CPU) lines up; the padding is trimmed.
+
+    Example (2 ranks): ``split_sizes=[[1, 2], [3, 0]]``; rank 0 sends ``[a]`` to itself
+    and ``[b, c]`` to rank 1, rank 1 sends ``[d, e, f]`` to rank 0: rank 0 gets
+    ``[a, d, e, f]``, rank 1 ``[b, c]``.
+
+    Raises:
+        ValueError: a malformed matrix or one that does not match ``x``.
+    """
+    g = resolve_group(group)
+    if len(x.shape) < 1:
+        raise ValueError("all_to_all_v: expected a tensor of rank >= 1, got a scalar")
+    rows = check_split_matrix("all_to_all_v", x, g, split_sizes)
+    if g.size == 1:
+        return x
+    m = max(max(r) for r in rows)
+    send = rows[g.rank]
+    recv = tuple(rows[i][g.rank] for i in range(g.size))
+    return kernels(g, False).all_to_all_v(x, send, recv, max(m, 1))
 
 
 def own_slice(x, group: GroupLike, dim: int):

@@ -10,7 +10,12 @@ optimizer step two reductions make them the gradients of the global loss:
 2. every gradient is AVERAGED over the dp-cp group (the replicas that saw different
    tokens), which is right when each rank's loss is the mean over its own tokens and
    every rank holds as many tokens.
-3. with pipeline parallelism, gradients stay per stage; parameters marked
+3. MoE expert parameters (``param.expert_parallel``, see :mod:`mindscience.distributed.moe`)
+   already hold the gradient of every token their experts received from the ranks of the
+   dispatch group; they are SUMMED over the expert data-parallel group (edp, the ranks
+   holding the same experts) and divided by the dp-cp size, which gives the dp-cp mean of
+   the ranks' losses, as for the dense parameters. They take no part in step 2.
+4. with pipeline parallelism, gradients stay per stage; parameters marked
    ``param.shared_embedding = True`` (an embedding tied between the first and the last
    stage, Megatron's name) are SUMMED over the embedding group (first + last stage,
    ``manager.get_embedding_group()``) first, so both copies take the same step.
@@ -98,6 +103,14 @@ def _group(group: Optional[GroupLike], getter: str, key: str) -> ParallelGroup:
     return ParallelGroup.trivial(key)
 
 
+def _expert_group(group: Optional[GroupLike]) -> ParallelGroup:
+    if group is not None:
+        return C.resolve_group(group)
+    if manager.is_initialized() and hasattr(manager, "get_expert_data_parallel_group"):
+        return manager.get_expert_data_parallel_group()
+    return ParallelGroup.trivial("edp")
+
+
 class GradientFinalizer(nn.Cell):
     """The gradients a tp/cp/dp job needs before the optimizer step (see the module doc).
 
@@ -122,6 +135,8 @@ class GradientFinalizer(nn.Cell):
         embedding_group: Group of the tied-parameter sum; default the manager's
             embedding group (size 1 off the first/last stage and when pp == 1).
         bucket_size_mb: Largest flat buffer in MiB; 0 reduces each gradient on its own.
+        expert_dp_group: Group of the expert parameters' sum; default the manager's
+            expert data-parallel group (edp).
 
     Inputs:
         grads: Tuple of gradients, one per parameter, shaped like it.
@@ -137,7 +152,8 @@ class GradientFinalizer(nn.Cell):
     def __init__(self, params, tp_group: Optional[GroupLike] = None,
                  dp_cp_group: Optional[GroupLike] = None,
                  bucket_size_mb: float = DEFAULT_BUCKET_MB,
-                 embedding_group: Optional[GroupLike] = None):
+                 embedding_group: Optional[GroupLike] = None,
+                 expert_dp_group: Optional[GroupLike] = None):
         super().__init__()
         if (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real)
                 or bucket_size_mb < 0):
@@ -166,7 +182,19 @@ class GradientFinalizer(nn.Cell):
         self.tp_buckets = plan_buckets(sp, numels, dtypes, bucket_bytes) if tp.size > 1 else ()
         # A fully sharded parameter's gradient already is the dp-cp mean of its rows
         # (fsdp.py, contract C3): only the tp and embedding sums apply to it.
-        replicated = [i for i, p in enumerate(params) if getattr(p, "fsdp", None) is None]
+        replicated = [i for i, p in enumerate(params)
+                      if getattr(p, "fsdp", None) is None and not getattr(p, "expert_parallel", False)]
+        experts = [i for i, p in enumerate(params) if getattr(p, "expert_parallel", False)
+                   and getattr(p, "fsdp", None) is None]
+        edp = _expert_group(expert_dp_group) if experts else ParallelGroup.trivial("edp")
+        self.edp_size = edp.size
+        self.expert_scale = 1.0 / dpcp.size
+        self.expert_buckets = (plan_buckets(experts, numels, dtypes, bucket_bytes)
+                               if (edp.size > 1 or dpcp.size > 1) else ())
+        self.expert_where = _where(self.expert_buckets, len(params))
+        if edp.size > 1:
+            self.edp_eager = C.kernels(edp, False)
+            self.edp_graph = C.kernels(edp, True)
         for p in params:
             info = getattr(p, "fsdp", None)
             if info is not None and info.group.size > 1 and info.group.ranks != dpcp.ranks:
@@ -240,6 +268,11 @@ class GradientFinalizer(nn.Cell):
             return self.emb_graph.all_reduce(x)
         return self.emb_eager.all_reduce(x)
 
+    def _edp_reduce(self, x):
+        if compiling():
+            return self.edp_graph.all_reduce(x)
+        return self.edp_eager.all_reduce(x)
+
     def _dp_reduce(self, x):
         if compiling():
             return self.dp_graph.all_reduce(x)
@@ -269,6 +302,14 @@ class GradientFinalizer(nn.Cell):
                 flat = self._dp_reduce(self._flat(grads, bucket)) * self.scale
                 reduced.append(self._unflat(flat, grads, bucket))
             grads = self._replace(grads, self.dp_where, reduced)
+        if self.expert_buckets:
+            reduced = []
+            for bucket in self.expert_buckets:
+                flat = self._flat(grads, bucket)
+                if self.edp_size > 1:
+                    flat = self._edp_reduce(flat)
+                reduced.append(self._unflat(flat * self.expert_scale, grads, bucket))
+            grads = self._replace(grads, self.expert_where, reduced)
         return grads
 
     def _replace(self, grads, where, reduced):
@@ -309,7 +350,7 @@ def _cached_finalizer(params, bucket_size_mb):
     groups = ()
     if manager.is_initialized():
         groups = (manager.get_tensor_parallel_group(), manager.get_data_context_parallel_group(),
-                  manager.get_embedding_group())
+                  manager.get_embedding_group(), _expert_group(None))
     key = (tuple(p.name for p in params), groups, float(bucket_size_mb))
     cell = _FINALIZERS.get(key)
     if cell is None:

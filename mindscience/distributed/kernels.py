@@ -208,6 +208,19 @@ class _Kernels(nn.Cell):
         y = self.all_to_all(self._pad_chunks(x, sizes, m), 0, -1)  # (m, ..., H)
         return self._rows(y, 0, sizes[self.rank])
 
+    def all_to_all_v(self, x, send, recv, m):
+        """Uneven all-to-all of dim 0: ``send[j]`` rows of ``x`` (in order) go to group rank
+        j; returns the ``recv[i]`` rows from each rank i, concatenated in group-rank order.
+        ``m`` is the largest entry of the whole size matrix (every rank pads each chunk to
+        it, so the even all-to-all underneath lines up)."""
+        y = self.all_to_all(self._pad_chunks(x, send, m), 0, 0)  # (G*m, ...)
+        total = 0
+        for r in recv:
+            total = total + r
+        if total == 0:
+            return ops.depend(ops.zeros((0,) + tuple(x.shape[1:]), x.dtype), y)
+        return self._keep_rows(y, recv, m)
+
     def _keep_parts(self, parts, sizes):
         """The first ``sizes[i]`` rows of each ``parts[i]``, concatenated along dim 0."""
         kept = []

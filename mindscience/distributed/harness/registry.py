@@ -34,6 +34,7 @@ CHECK_MODULES = (
     "mindscience.distributed.harness.checks.p2p",
     "mindscience.distributed.harness.checks.pipeline",
     "mindscience.distributed.harness.checks.train",
+    "mindscience.distributed.harness.checks.moe",
 )
 
 _CHECKS: dict[str, Callable] = {}

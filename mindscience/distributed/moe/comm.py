@@ -8,6 +8,8 @@ all_to_all_experts     even all-to-all of dim 0 (chunk  the same all-to-all (it 
                        j to group rank j, received       inverse)
                        chunks stacked in group-rank
                        order)
+all_to_all_v           uneven all-to-all of dim 0        the all-to-all of the transposed
+                       (``split_sizes[i][j]`` rows i->j) size matrix
 reduce_for_loss        all-reduce (sum)                 all-reduce (sum) x ``grad_scale``
 =====================  ===============================  ==================================
 
@@ -26,7 +28,7 @@ from mindspore import nn, ops
 from .. import collectives as C
 from ..collectives import compiling
 
-__all__ = ["all_to_all_experts", "reduce_for_loss"]
+__all__ = ["all_to_all_experts", "all_to_all_v", "reduce_for_loss"]
 
 
 class _Comm(nn.Cell):
@@ -42,6 +44,17 @@ class _AllToAll0(_Comm):
 
     def bprop(self, x, out, dout):
         return (self.k.all_to_all(ops.depend(dout, out), 0, 0),)
+
+
+class _AllToAllV(_Comm):
+    # self.scale holds (send, recv, m) of the forward; the backward swaps send and recv.
+    def construct(self, x):
+        send, recv, m = self.scale
+        return self.k.all_to_all_v(x, send, recv, m)
+
+    def bprop(self, x, out, dout):
+        send, recv, m = self.scale
+        return (self.k.all_to_all_v(ops.depend(dout, out), recv, send, m),)
 
 
 class _ReduceForLoss(_Comm):
@@ -82,6 +95,20 @@ def all_to_all_experts(x, group):
         raise ValueError(f"all_to_all_experts: dim 0 (size {x.shape[0]}) is not divisible by "
                          f"the group size {g.size}")
     return _cell(_AllToAll0, g, 1.0)(x)
+
+
+def all_to_all_v(x, group, split_sizes):
+    """Differentiable :func:`mindscience.distributed.collectives.all_to_all_v` (the
+    gradient goes back by the transposed size matrix). The sizes are Python ints (known
+    when the graph is built); the MoE layer itself uses padded static slots instead."""
+    g = C.resolve_group(group)
+    rows = C.check_split_matrix("all_to_all_v", x, g, split_sizes)
+    if g.size == 1:
+        return x
+    m = max(max(max(r) for r in rows), 1)
+    send = rows[g.rank]
+    recv = tuple(rows[i][g.rank] for i in range(g.size))
+    return _cell(_AllToAllV, g, (send, recv, m))(x)
 
 
 def reduce_for_loss(x, group, grad_scale: float = 1.0):

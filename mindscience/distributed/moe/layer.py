@@ -123,7 +123,13 @@ class MoELayer(nn.Cell):
                 f"MoELayer: the dispatch group has {g['etp-ep'].size} ranks but etp x ep = "
                 f"{g['etp'].size} x {g['ep'].size}; pass dispatch_group = the etp-ep group.")
         self.config = config
+        # The dict is for Python callers; construct reads the groups as plain attributes
+        # (a dict of groups does not compile).
         self.groups = g
+        self.ep_group = g["ep"]
+        self.etp_group = g["etp"]
+        self.tp_group = g["tp"]
+        self.dispatch_group = g["etp-ep"]
         self.ep = g["ep"].size
         self.etp = g["etp"].size
         self.tp = g["tp"].size
@@ -175,16 +181,16 @@ class MoELayer(nn.Cell):
         """(E, C, H) dispatch buffer -> (E, C, H) expert outputs, through ep and etp."""
         E, cap, H = buf.shape
         L = self.local_experts
-        y = all_to_all_experts(buf, self.groups["ep"])  # (ep*L, C, H) from each source
+        y = all_to_all_experts(buf, self.ep_group)  # (ep*L, C, H) from each source
         if self.etp > 1:
-            y = mappings.gather_from_sequence(y, self.groups["etp"])  # (etp*ep*L, C, H)
+            y = mappings.gather_from_sequence(y, self.etp_group)  # (etp*ep*L, C, H)
         src = y.shape[0] // L
         y = y.reshape((src, L, cap, H)).transpose(1, 0, 2, 3).reshape((L, src * cap, H))
         y = self.experts(y)
         y = y.reshape((L, src, cap, H)).transpose(1, 0, 2, 3).reshape((src * L, cap, H))
         if self.etp > 1:
-            y = mappings.reduce_scatter_to_sequence(y, self.groups["etp"])
-        return all_to_all_experts(y, self.groups["ep"])
+            y = mappings.reduce_scatter_to_sequence(y, self.etp_group)
+        return all_to_all_experts(y, self.ep_group)
 
     def _route_and_run(self, x, num_seqs):
         """Tokens (N, H) of this rank -> (out (N, H), stats vector, loss sums)."""
@@ -223,7 +229,7 @@ class MoELayer(nn.Cell):
 
     def _experts_allgather(self, x, cwmap, keep):
         """Every rank of the dispatch group runs its local experts on all the group's tokens."""
-        grp = self.groups["etp-ep"]
+        grp = self.dispatch_group
         H = x.shape[1]
         E = self.num_experts
         L = self.local_experts
@@ -248,21 +254,23 @@ class MoELayer(nn.Cell):
             shared = self.shared_experts(x)
         if self.split_tp:
             sizes = self._split_sizes(S)
-            x = mappings.scatter_to_sequence(x, self.groups["tp"], split_sizes=sizes)
+            # Positional arguments: keyword arguments next to a group object broke the
+            # compiled gradient w.r.t. the weights (measured under ms.jit).
+            x = mappings.scatter_to_sequence(x, self.tp_group, sizes)
         s_local = x.shape[0]
         tokens = x.reshape((s_local * B, H))
         out, counts, dropped, sums = self._route_and_run(tokens, B)
         E = self.num_experts
         stats_vec = ops.cat((counts, dropped), 0)
         if self.tp > 1:
-            stats_vec = reduce_for_loss(stats_vec, self.groups["tp"])
+            stats_vec = reduce_for_loss(stats_vec, self.tp_group)
         if self.seq_aux:
             stats = ops.cat((stats_vec[:-1].reshape((B, E)).sum(0), stats_vec[-1:]), 0)
         else:
             stats = stats_vec
         if self.has_loss:
             if self.tp > 1:
-                sums = reduce_for_loss(sums, self.groups["tp"], 1.0 / self.tp)
+                sums = reduce_for_loss(sums, self.tp_group, 1.0 / self.tp)
             glob = ops.cat((stats_vec[:-1], sums), 0)
             glob = reduce_for_loss(glob, self.loss_group)
             n_c = stats_vec.shape[0] - 1
@@ -272,9 +280,7 @@ class MoELayer(nn.Cell):
             aux = sums.sum() * 0.0
         out = out.reshape((s_local, B, H))
         if self.split_tp:
-            out = mappings.gather_from_sequence(out, self.groups["tp"],
-                                                tensor_parallel_output_grad=False,
-                                                split_sizes=self._split_sizes(S))
+            out = mappings.gather_from_sequence(out, self.tp_group, False, self._split_sizes(S))
         out = ops.cast(out, hidden_states.dtype)
         if shared is not None:
             out = out + ops.cast(shared, out.dtype)
