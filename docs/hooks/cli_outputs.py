@@ -8,7 +8,12 @@ replaced by what it printed (stdout, then the ``msdist:`` lines of stderr). ``$ 
 shares one temporary folder, so a file one command writes (``suggest --write``) is there
 for the next. A command that fails stops the build with its output.
 
-tests/test_docs.py runs the same function over every page and the README, so a renamed
+A block preceded by ``<!-- msdist-excerpt: COMMAND -->`` quotes part of an output instead:
+the build (and the tests) run COMMAND (``&&`` joins a ``printf`` that writes its layout) and
+fail unless every run of tokens between ``...`` elisions appears, in order, in the real
+output; for a ``json`` block, every ``"key": scalar`` pair shown must occur in the real JSON.
+
+tests/test_docs.py runs the same functions over every page and the README, so a renamed
 option or preset fails the tests too, and compares the README's blocks (which no build
 rewrites) with the real output.
 
