@@ -267,14 +267,16 @@ def timed(rows: list[dict], crossing: dict, cluster: ClusterSpec) -> dict:
     return {"per_step": per_step, "est_time_s": sum(by_group.values(), 0.0), "bottleneck": bottleneck}
 
 
-def crossing_flags(layout, experts: bool = False) -> dict:
+def crossing_flags(layout, experts: bool = False, dense: dict | None = None) -> dict:
     """``{group key: any group spans nodes}`` for the keys that carry traffic (from the topology).
 
     ``experts``: also the expert keys ``ep``, ``etp`` and ``edp`` (a MoE model), read from
     the layout's expert groups (an all-to-all over an ep group that spans nodes is priced on
-    the inter-node bandwidth).
+    the inter-node bandwidth); a size-1 expert axis never crosses. ``dense``: the dense keys'
+    flags when the caller has them (they do not depend on the expert axes).
     """
-    flags = {key: layout.crossing_group_count(key) > 0 for key in GROUPS}
+    flags = dict(dense) if dense is not None else {key: layout.crossing_group_count(key) > 0 for key in GROUPS}
     if experts:
-        flags.update({key: layout.crossing_group_count(key) > 0 for key in EXPERT_GROUPS})
+        sizes = {"ep": layout.ep, "etp": layout.etp, "edp": layout.edp}
+        flags.update({key: sizes[key] > 1 and layout.crossing_group_count(key) > 0 for key in EXPERT_GROUPS})
     return flags

@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from ..topology.layout import DEFAULT_ORDER, Layout
 from ..topology.plan import DEFAULT_HCCL_BUFFSIZE_MB
-from .comm import crossing_flags, timed, traffic
+from .comm import GROUPS, crossing_flags, timed, traffic
 from .constraints import dense_violations, expert_violations
 from .errors import ModelError
 from .report import communicator_bytes
@@ -301,6 +301,7 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
             reason = "num_moe_experts % ep"
         # The dense constraints once per size and training; the expert ones per (ep, etp).
         dense = [dense_violations(model, train, tp, cp, pp, dp) for train in trainings]
+        dense_flags = {}  # order -> the dense keys' crossing flags, shared by every (ep, etp)
         for ep, etp in choices:
             layout = buffers = orders = None
             experts_broken = expert_violations(model, tp, cp, pp, dp, ep, etp) if model.is_moe else []
@@ -321,7 +322,7 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
                         lowest = ({"peak": peak, "stages": stages}, (tp, cp, pp, dp), buffers, train, (ep, etp))
                     continue
                 if orders is None:
-                    orders = _orders(layout, sizes, model.is_moe)
+                    orders = _orders(layout, sizes, model.is_moe, dense_flags)
                 order, comm, flags, timing = _price(model, priced, cluster, (tp, cp, pp, dp), orders, runtime,
                                                     (ep, etp))
                 if best is None or (timing["step_time_s"], peak) < (best["step_time_s"], best["peak_bytes"]):
@@ -344,20 +345,25 @@ def _expert_layout(world_size, tp, cp, pp, devices_per_node, ep, etp, moe):
     return Layout(world_size=world_size, tp=tp, cp=cp, pp=pp, devices_per_node=devices_per_node, ep=ep, etp=etp)
 
 
-def _orders(layout, sizes: dict, moe: bool) -> list:
+def _orders(layout, sizes: dict, moe: bool, dense_flags: dict) -> list:
     """``[(order, crossing flags)]`` of the placements worth pricing (one inside a node).
 
     With expert axes an order may be refused (it must end in pp unless ``etp*ep == tp*cp``):
-    such orders are skipped.
+    such orders are skipped. ``dense_flags`` caches the dense keys' flags per order.
     """
     placements = distinct_orders(sizes) if layout.num_nodes > 1 else [layout.order]
+    folded = moe and (layout.ep > 1 or layout.etp != layout.tp) and layout.etp * layout.ep != layout.tp * layout.cp
     out = []
     for o in placements:
+        if folded and not o.endswith("pp") and o != layout.order:
+            continue  # the topology refuses it (edp != dp needs an order ending in pp): skip the attempt
         try:
             placed = replace(layout, order=o) if o != layout.order else layout
         except ValueError:  # LayoutError: this order cannot place the expert axes
             continue
-        out.append((o, crossing_flags(placed, experts=moe)))
+        flags = crossing_flags(placed, experts=moe, dense=dense_flags.get(o))
+        dense_flags.setdefault(o, {key: flags[key] for key in GROUPS})
+        out.append((o, flags))
     return out
 
 
