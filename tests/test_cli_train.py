@@ -447,10 +447,17 @@ def test_train_tiny_moe_end_to_end(tmp_path):
     from mindscience.distributed.training.loop import Trainer
     from mscli.commands.train import model_and_options
 
-    report = run_json(tmp_path / "logs", "cpu-4-ep2", "--model", "tiny-moe", "--steps", 2, "--micro-batch-size", 4)
+    from mindscience.distributed.models.config import resolve_model_file
+
+    # tiny-moe at half its depth and sequence (the same 8 experts, top-2): a quicker launch
+    text = resolve_model_file("tiny-moe").read_text()
+    model = tmp_path / "tiny-moe.yaml"
+    model.write_text(text.replace("num_layers: 4", "num_layers: 2").replace("seq_length: 64", "seq_length: 32"))
+    report = run_json(tmp_path / "logs", "cpu-4-ep2", "--model", model, "--steps", 2, "--micro-batch-size", 4)
     assert (report["layout"]["ep"], report["layout"]["etp"], report["layout"]["tp"]) == (2, 1, 2)
+    assert (report["model"]["num_moe_experts"], report["model"]["num_layers"]) == (8, 2)
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    workload, opts = model_and_options(Layout(world_size=1), "tiny-moe", steps=2, micro_batch_size=8, mode=MODE)
+    workload, opts = model_and_options(Layout(world_size=1), str(model), steps=2, micro_batch_size=8, mode=MODE)
     trainer = Trainer(workload.model, workload.training, opts)
     want = [trainer.train_step(k) for k in range(2)]
     got = report["steps"]

@@ -323,6 +323,7 @@ class MoEBlock(nn.Cell):
         self.config = MoEConfig.from_model(init.config, sequence_parallel=init.sequence_parallel)
         self.moe = MoELayer(self.config, **_moe_groups(init, groups))
         self.num_experts = self.config.num_experts
+        _mark_expert_width(self.moe, self.config)
         _draw_moe(self.moe, init, prefix, groups)
         self.aux_sum = _buffer(0.0, "aux_sum")
         self.tokens = _buffer(np.zeros(self.num_experts + 1), "tokens")
@@ -341,6 +342,18 @@ class MoEBlock(nn.Cell):
         ops.assign_add(self.tokens, ops.stop_gradient(stats.astype(ms.float32)))
         ops.assign_add(self.calls, ops.ones((), ms.float32))
         return self.attach(y, aux, self.aux_scale)
+
+
+def _mark_expert_width(moe, config) -> None:
+    """Mark the experts' ffn dim ``etp`` at etp 1 too (the layer marks it when etp > 1), so a
+    checkpoint saved at etp 1 records the split dim an offline reshard to etp > 1 needs."""
+    from ..sharding import get_sharding
+
+    experts = getattr(moe, "experts", None)
+    for name, dim, stride in (("w1", 2, 2 if config.activation == "swiglu" else 1), ("w2", 1, 1)):
+        param = getattr(experts, name, None)
+        if param is not None and get_sharding(param)["axis"] is None:
+            mark_sharding(param, axis="etp", partition_dim=dim, partition_stride=stride)
 
 
 def _moe_groups(init: Init, groups: dict) -> dict:
