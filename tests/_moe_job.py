@@ -32,8 +32,7 @@ SPEC = {
         {"name": "moe.errors", "params": {"layout": {"ep": 4}}},
         # ep2 x dp4 (edp 2)
         _layer({"ep": 2},
-               {"name": "dropless_shared", "shared_expert_ffn_hidden_size": 4, **AUX,
-                "modes": ["pynative", "jit"]},
+               {"name": "dropless_shared", "shared_expert_ffn_hidden_size": 4, **AUX},
                {"name": "capacity_probs_swiglu", "capacity_factor": 1.0, "activation": "swiglu"},
                {"name": "allgather", "dispatcher": "allgather", **AUX}),
         # ep4 (one expert per rank, edp 1)
@@ -46,13 +45,14 @@ SPEC = {
         _layer({"tp": 2, "ep": 2, "etp": 1},
                {"name": "seq_aux_shared", "load_balancing_type": "seq_aux_loss",
                 "shared_expert_ffn_hidden_size": 4, **AUX},
-               {"name": "capacity", "capacity_factor": 1.0, "score_function": "sigmoid",
-                "modes": ["pynative", "jit"]}),
+               {"name": "capacity", "capacity_factor": 1.0, "score_function": "sigmoid"}),
         # tp2 x dp2, ep2 x etp2 (edp 1)
         _layer({"tp": 2, "ep": 2, "etp": 2},
                {"name": "swiglu_groups", "activation": "swiglu", "num_groups": 2,
                 "group_topk": 1, **AUX, "modes": ["pynative", "jit"]},
                {"name": "allgather_capacity", "dispatcher": "allgather", "capacity_factor": 1.0}),
+        # DistributedOptimizer stages 0-3 (stage 3 after fully_shard), 5 steps, tp2 x dp2 x ep2
+        {"name": "moe.train", "params": {"layout": {"tp": 2, "ep": 2, "etp": 1}}},
         # cp2 x dp2, ep2: the layer sees cp chunks of the sequence
         _layer({"cp": 2, "ep": 2},
                {"name": "aux", "pre_softmax": True, "topk_scaling_factor": 2.0, **AUX},

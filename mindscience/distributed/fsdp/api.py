@@ -91,6 +91,10 @@ def _plan(cell):
             elif getattr(param, "msdist_optimizer_built", False):
                 problems.append(f"a DistributedOptimizer was already built over parameter {where}; "
                                 "call fully_shard before building the optimizer")
+            elif getattr(param, "expert_parallel", False):
+                # MoE experts: already split by ep; DistributedOptimizer shards their state
+                # over the expert data-parallel group instead.
+                continue
             elif not param.requires_grad and getattr(param, "unsharded_buffer", False):
                 continue  # a buffer its model keeps consistent itself (MoE statistics, expert bias)
             elif not param.requires_grad:

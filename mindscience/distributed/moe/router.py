@@ -65,6 +65,7 @@ class TopKRouter(nn.Cell):
         # Not trained by the optimizer: moved by update_expert_bias.
         self.expert_bias = Parameter(Tensor(np.zeros(config.num_experts, np.float32)),
                                      name="expert_bias", requires_grad=False)
+        self.expert_bias.unsharded_buffer = True  # fully_shard leaves it whole
         self.softmax = config.score_function == "softmax"
         self.pre_softmax = bool(config.pre_softmax)
         self.scale = float(config.topk_scaling_factor or 1.0)

@@ -67,6 +67,14 @@ def _group(group: Optional[GroupLike], getter: str, key: str) -> ParallelGroup:
     return ParallelGroup.trivial(key)
 
 
+def _expert_dp_group(group: Optional[GroupLike]) -> ParallelGroup:
+    if group is not None:
+        return C.resolve_group(group)
+    if manager.is_initialized() and hasattr(manager, "get_expert_data_parallel_group"):
+        return manager.get_expert_data_parallel_group()
+    return ParallelGroup.trivial("edp")
+
+
 def _world_rank() -> int:
     if manager.is_initialized():
         return manager._state().rank
@@ -116,6 +124,11 @@ class DistributedOptimizer(nn.Cell):
             manager's tp group.
         pipeline_group: Group of the norm over stages; default the manager's pp group.
         embedding_group: Group of the tied-embedding sum; default the manager's.
+        expert_dp_group: MoE expert weights (``param.expert_parallel``): the group their
+            gradients are summed over and their state is sharded over (stages 1-3; stage
+            3 shards them as stage 2); default the manager's expert data-parallel group.
+            Their reduced gradient is that sum divided by the dp-cp size. They live in a
+            second optimizer, ``self.expert_optimizer``.
 
     Inputs:
         grads: Tuple of gradients, one per parameter, shaped like it, in its dtype or
@@ -139,9 +152,43 @@ class DistributedOptimizer(nn.Cell):
                  main_params_dtype=mstype.float32, max_grad_norm: Optional[float] = None, *,
                  momentum: float = 0.9, tp_group: Optional[GroupLike] = None,
                  pipeline_group: Optional[GroupLike] = None,
-                 embedding_group: Optional[GroupLike] = None):
+                 embedding_group: Optional[GroupLike] = None,
+                 expert_dp_group: Optional[GroupLike] = None,
+                 _expert_grad_scale: Optional[float] = None):
         super().__init__(auto_prefix=False)
         params = list(params)
+        all_params = params
+        self.expert_optimizer = None
+        self.dense_index = ()
+        self.expert_index = ()
+        self.num_all_params = len(params)
+        expert_idx = tuple(i for i, p in enumerate(params) if getattr(p, "expert_parallel", False))
+        if expert_idx and _expert_grad_scale is None:
+            # MoE expert weights (moe.MoELayer): their gradients are summed over the expert
+            # data-parallel group (edp) and divided by the dp-cp size; their state is
+            # sharded over edp (stage 3: as stage 2, fully_shard leaves them whole).
+            if max_grad_norm is not None:
+                raise DistributedOptimizerError(
+                    "DistributedOptimizer: max_grad_norm with MoE expert parameters is not "
+                    "supported yet (the norm would need the ep/etp groups); pass "
+                    "max_grad_norm=None, or clip the gradients before the step.")
+            dense_idx = tuple(i for i in range(len(params)) if i not in expert_idx)
+            if not dense_idx:
+                raise DistributedOptimizerError(
+                    "DistributedOptimizer: every parameter is an MoE expert weight; pass the "
+                    "model's parameters (the router and the dense layers too).")
+            self.dense_index = dense_idx
+            self.expert_index = expert_idx
+            dpcp = _group(group, "get_data_context_parallel_group", "dp-cp")
+            edp = _expert_dp_group(expert_dp_group)
+            self.expert_optimizer = DistributedOptimizer(
+                [params[i] for i in expert_idx], optimizer, lr, betas, eps, weight_decay,
+                min(int(zero_stage), 2) if isinstance(zero_stage, int) else zero_stage, edp,
+                bucket_size_mb, main_params_dtype, None, momentum=momentum,
+                tp_group=ParallelGroup.trivial("tp"), pipeline_group=ParallelGroup.trivial("pp"),
+                embedding_group=ParallelGroup.trivial("embedding"),
+                _expert_grad_scale=1.0 / dpcp.size)
+            params = [params[i] for i in dense_idx]
         schedule = isinstance(lr, nn.learning_rate_schedule.LearningRateSchedule)
         beta1, beta2 = check_options(optimizer, zero_stage, betas, eps, weight_decay,
                                      bucket_size_mb, max_grad_norm, momentum, schedule, lr)
@@ -152,12 +199,15 @@ class DistributedOptimizer(nn.Cell):
                 "may be bf16/fp16).")
         dtype_names = [_dtype_name(getattr(p, "dtype", None)) for p in params]
         check_params(params, dtype_names)
-        grp = _group(group, "get_data_context_parallel_group", "dp-cp")
-        dp_cp = None
-        if manager.is_initialized():
-            dp_cp = manager.get_layout().group_of(_world_rank(), "dp-cp")
-        check_group(grp, _world_rank() if grp.size > 1 or dp_cp is not None else grp.global_rank,
-                    dp_cp)
+        if _expert_grad_scale is not None:
+            grp = C.resolve_group(group)  # the expert data-parallel group
+        else:
+            grp = _group(group, "get_data_context_parallel_group", "dp-cp")
+            dp_cp = None
+            if manager.is_initialized():
+                dp_cp = manager.get_layout().group_of(_world_rank(), "dp-cp")
+            check_group(grp, _world_rank() if grp.size > 1 or dp_cp is not None
+                        else grp.global_rank, dp_cp)
         shapes = [tuple(p.shape) for p in params]
         check_fsdp(params, shapes, zero_stage, grp)
         # Compiling the per-parameter loops nests a few calls per parameter (see finalize).
@@ -186,7 +236,8 @@ class DistributedOptimizer(nn.Cell):
         if self.comm:
             self.k_eager = C.kernels(grp, False)
             self.k_graph = C.kernels(grp, True)
-        self.scale = 1.0 / self.d
+        # Experts: the sum over edp divided by the dp-cp size (GradientFinalizer's rule).
+        self.scale = 1.0 / self.d if _expert_grad_scale is None else float(_expert_grad_scale)
 
         # tp / embedding sums: GradientFinalizer with a size-1 dp-cp group.
         tp = _group(tp_group, "get_tensor_parallel_group", "tp")
@@ -207,7 +258,7 @@ class DistributedOptimizer(nn.Cell):
         self._setup_norm(params, tp, pp)
         self._setup_hyper(lr, schedule, beta1, beta2, eps, weight_decay, momentum)
         self._setup_state(params)
-        for p in params:
+        for p in all_params:
             p.msdist_optimizer_built = True
 
     # ------------------------------------------------------------------ construction
@@ -293,22 +344,35 @@ class DistributedOptimizer(nn.Cell):
         state = list(self.mains)
         for group in self.moments:
             state.extend(group)
-        return {"weights": sum(_nbytes(p) for p in self.model_params),
-                "gradients": sum(_nbytes(b) for b in self.grad_buffers),
-                "optimizer": sum(_nbytes(p) for p in state)}
+        out = {"weights": sum(_nbytes(p) for p in self.model_params),
+               "gradients": sum(_nbytes(b) for b in self.grad_buffers),
+               "optimizer": sum(_nbytes(p) for p in state)}
+        if self.expert_optimizer is not None:
+            for k, v in self.expert_optimizer.memory_bytes().items():
+                out[k] += v
+        return out
 
     def state_elements(self) -> int:
         """Elements of the optimizer state (main weights + moments) on this rank."""
         n = sum(int(np.prod(p.shape)) for p in self.mains)
         for group in self.moments:
             n += sum(int(np.prod(p.shape)) for p in group)
+        if self.expert_optimizer is not None:
+            n += self.expert_optimizer.state_elements()
         return n
 
     # ------------------------------------------------------------------ step
     def __call__(self, *args, **kwargs):
         # PyNative: check the gradients with the typed error before any collective.
         # (Compiled code checks in construct with built-in errors.)
-        if args and not compiling() and ms.get_context("mode") == ms.PYNATIVE_MODE:
+        if (args and self.expert_optimizer is not None and not compiling()
+                and isinstance(args[0], (tuple, list)) and len(args[0]) != self.num_all_params):
+            raise DistributedOptimizerError(
+                f"DistributedOptimizer: got {len(args[0])} gradients for {self.num_all_params} "
+                "parameters; pass the gradients of exactly the parameters the optimizer was "
+                "built with, in the same order.")
+        if (args and self.expert_optimizer is None and not compiling()
+                and ms.get_context("mode") == ms.PYNATIVE_MODE):
             grads = args[0]
             check_grads(grads, self.shapes, self.dtype_names,
                         [_dtype_name(getattr(g, "dtype", None)) for g in grads]
@@ -316,6 +380,18 @@ class DistributedOptimizer(nn.Cell):
         return super().__call__(*args, **kwargs)
 
     def construct(self, grads):
+        if self.expert_optimizer is None:
+            return self._step(grads)
+        dense = []
+        for i in self.dense_index:
+            dense.append(grads[i])
+        experts = []
+        for i in self.expert_index:
+            experts.append(grads[i])
+        done = self.expert_optimizer(tuple(experts))
+        return ops.depend(self._step(tuple(dense)), done)
+
+    def _step(self, grads):
         self._check_compiled(grads)
         step = self.step + 1
         step = ops.depend(step, ops.assign(self.step, step))
@@ -388,6 +464,8 @@ class DistributedOptimizer(nn.Cell):
                     chunk = self._kernel().all_reduce(flat) * self.scale
                 else:
                     chunk = self._kernel().reduce_scatter(flat) * self.scale
+            elif self.scale != 1.0:
+                chunk = flat * self.scale
             else:
                 chunk = flat
             if self.stage != 1:
