@@ -19,11 +19,13 @@
     Compiled: ``Cell.recompute()`` with the graph traced inside ``fork()``.
 
 ``recompute.pipeline``
-    ``forward_backward`` on pp2 (x tp2, the stage a Column -> tanh -> Row with its
-    all-reduce) with GPipe: the stage forwards kept (``recompute="none"``, and
-    ``"selective"`` with a ``Cell.recompute()``-ed sub-block) against ``"full"``, in
-    PyNative; 1F1B asked for ``"none"``, and GPipe under jit, run ``"full"`` (a warning, the
-    same numbers).
+    ``forward_backward`` with every schedule (1F1B, interleaved v = 2, GPipe), mode
+    (PyNative, jit) and recompute (none, selective with a ``Cell.recompute()``-ed
+    sub-block, full) on the job's pipeline layout (tp2 x pp2: the stage a pair of
+    Column -> tanh -> Row blocks with their all-reduces; pp2 x dp2): the loss and this
+    rank's gradients against the dense model (every stage chained on every rank, PyNative),
+    and the executions of each stage's forward (an in-graph counter): once per micro-batch
+    when the activations are kept, twice under ``"full"``.
 """
 
 from __future__ import annotations
@@ -298,17 +300,28 @@ def _stage_cls():
             return x + self.fc2(mint.tanh(self.fc1(x)))
 
     class Stage(nn.Cell):
+        """Two MLPs; ``calls`` counts the eager runs of the forward (PyNative), so a forward
+        run again in a backward shows (compiled, it counts the traces)."""
+
         def __init__(self, marked):
             super().__init__()
             self.a = Mlp()
             self.b = Mlp()
+            self.calls = 0
             if marked:
                 self.b.recompute()
 
         def construct(self, x):
+            self.calls += 1
             return self.b(self.a(x))
 
-    return Stage
+    class JitStage(Stage):
+        """The stage compiled: no Python side effect in the traced ``construct``."""
+
+        def construct(self, x):
+            return self.b(self.a(x))
+
+    return Stage, JitStage
 
 
 def _pipe_loss(out, t):
@@ -316,10 +329,22 @@ def _pipe_loss(out, t):
     return mint.mean((out - t) ** 2)
 
 
+def _rel_err(got, want) -> float:
+    return max(float(np.abs(a - b).max()) / max(float(np.abs(b).max()), 1e-12)
+               for a, b in zip(got, want))
+
+
+# schedule -> chunks per rank (v)
+_PIPE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved": 2}
+
+
 @check("recompute.pipeline")
-def recompute_pipeline(ctx: CheckContext, modes=("pynative", "jit"), microbatches=4,
-                       layout=None) -> list:
-    """GPipe with kept stage activations vs full recompute; 1F1B forced to full."""
+def recompute_pipeline(ctx: CheckContext, modes=("pynative", "jit"),
+                       schedules=("1f1b", "interleaved", "gpipe"),
+                       recomputes=("none", "selective", "full"), microbatches=4,
+                       layout=None, tag="pp") -> list:
+    """Every schedule x mode x recompute against the dense model (every stage run on
+    every rank in one process); the stage forwards counted."""
     def body(manager):
         import mindspore as ms
 
@@ -328,44 +353,105 @@ def recompute_pipeline(ctx: CheckContext, modes=("pynative", "jit"), microbatche
 
         g = manager.get_pipeline_parallel_group()
         p, i = g.size, g.rank
+        tp_cp = manager.get_tensor_parallel_world_size() * manager.get_context_parallel_world_size()
         rng = np.random.default_rng(11)
         xs = [rng.standard_normal((2, B, H)).astype(np.float32) for _ in range(microbatches)]
         ts = [rng.standard_normal((2, B, H)).astype(np.float32) for _ in range(microbatches)]
         inputs = [ms.Tensor(a) if i == 0 else None for a in xs]
         targets = [ms.Tensor(a) if i == p - 1 else None for a in ts]
-        Stage = _stage_cls()
+        classes = dict(zip(("pynative", "jit"), _stage_cls()))
+        cells = {}
+
+        def cell(k, marked, mode="pynative"):
+            # Model stage k's weights depend on k only: one cell per (k, marked) serves
+            # every schedule and recompute, so each graph compiles once. (Every rank of a
+            # run takes new cells or none: the runtime agrees on a configuration at the
+            # first call with a cell.)
+            if (k, marked, mode) not in cells:
+                ms.set_seed(100 + k)
+                cells[(k, marked, mode)] = classes[mode](marked)
+                _KEEP.append(cells[(k, marked, mode)])
+            return cells[(k, marked, mode)]
+
+        dense = {}
+
+        def reference(stages):
+            """Loss and every stage's gradients of the dense model (PyNative), once per size."""
+            if stages not in dense:
+                model = [cell(k, False) for k in range(stages)]
+                weights = [q for c in model for q in c.trainable_params()]
+
+                def loss_of(x, t):
+                    for c in model:
+                        x = c(x)
+                    return _pipe_loss(x, t) / microbatches
+
+                vg = ms.value_and_grad(loss_of, None, weights)
+                total, acc = 0.0, None
+                for x, t in zip(xs, ts):
+                    value, grads = vg(ms.Tensor(x), ms.Tensor(t))
+                    total += float(value.asnumpy())
+                    got = [q.asnumpy() for q in grads]
+                    acc = got if acc is None else [a + b for a, b in zip(acc, got)]
+                per_stage, at = [], 0
+                for c in model:
+                    n = len(c.trainable_params())
+                    per_stage.append(acc[at:at + n])
+                    at += n
+                dense[stages] = (total, per_stage)
+            return dense[stages]
+
+        for schedule in schedules:
+            reference(p * _PIPE_SCHEDULES[schedule])
+        # Every rank has finished the reference's tp collectives before the pipeline's first
+        # one: MindSpore's CPU collectives of two groups out of step mix their messages.
+        from mindspore import mint as _mint
+        _mint.distributed.all_reduce(ms.Tensor(np.ones(1, np.float32)))
         records = []
-
-        def step(stage, schedule, mode, how):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                loss, grads = forward_backward(stage, inputs, targets, _pipe_loss,
-                                               schedule=schedule, mode=mode, recompute=how)
-            return (float(loss.asnumpy()), [q.asnumpy() for q in grads],
-                    runtime.last_recompute()[0], runtime.last_peak(), len(caught))
-
-        cases = (("gpipe", "none", False), ("1f1b", "none", False), ("gpipe", "selective", True))
         for mode in modes:
-            # One stage per kind for all its runs (they do not change the weights), so
-            # that a compiled forward serves the recomputing and the keeping runs alike.
-            stages = {}
-            for marked in ((False, True) if mode == "pynative" else (False,)):
-                ms.set_seed(100 + i)  # this stage's weights, the same for both kinds
-                stages[marked] = Stage(marked)
-                _KEEP.append(stages[marked])
-            # jit runs "full" whatever is asked (recompute.runtime_recompute): one case shows it
-            for schedule, recompute, marked in (cases if mode == "pynative" else cases[:1]):
-                full = step(stages[marked], schedule, mode, "full")
-                kept = step(stages[marked], schedule, mode, recompute)
-                err = max(abs(full[0] - kept[0]), _max_diff(full[1], kept[1]))
-                want_runs = recompute if (schedule, mode) == ("gpipe", "pynative") else "full"
-                records.append({
-                    "check": "recompute.pipeline", "group": f"{mode}.{schedule}.{recompute}",
-                    "mode": mode, "schedule": schedule, "recompute": recompute,
-                    "what_runs": kept[2], "what_runs_full": full[2], "peak": kept[3],
-                    "peak_full": full[3], "warnings": kept[4], "loss": kept[0],
-                    "max_error": err, "grads": len(kept[1]),
-                    "passed": err <= 1e-6 and kept[2] == want_runs and full[2] == "full"})
+            for schedule in schedules:
+                v = _PIPE_SCHEDULES[schedule]
+                stages = p * v
+                ks = [c * p + i for c in range(v)]
+                want_loss, want = reference(stages)
+                for recompute in recomputes:
+                    marked = recompute == "selective"
+                    mine = [cell(k, marked, mode) for k in ks]
+                    stage = mine if schedule == "interleaved" else mine[0]
+                    before = [c.calls for c in mine]
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        loss, grads = forward_backward(stage, inputs, targets, _pipe_loss,
+                                                       schedule=schedule, mode=mode,
+                                                       recompute=recompute)
+                    calls = [c.calls - b for c, b in zip(mine, before)]
+                    got = [q.asnumpy() for q in grads]
+                    ref = [q for k in ks for q in want[k]]
+                    loss = float(loss.asnumpy())
+                    err = max(abs(loss - want_loss) / abs(want_loss), _rel_err(got, ref))
+                    what = runtime.last_recompute()[0]
+                    # Compiled stages with tp/cp collectives recompute whatever is asked
+                    # (runtime_recompute says so; a UserWarning once per configuration).
+                    forced = mode == "jit" and tp_cp > 1
+                    want_runs = "full" if forced else recompute
+                    # A model stage's forward runs once per micro-batch when kept, twice
+                    # when recomputed; the last computes loss and gradients in one pass.
+                    want_calls = [microbatches * (2 if want_runs == "full" and k != stages - 1
+                                                  else 1) for k in ks]
+                    if mode == "jit":  # traced once, before this check: nothing to count
+                        calls = want_calls = None
+                    records.append({
+                        "check": "recompute.pipeline",
+                        "group": f"{tag}.{mode}.{schedule}.{recompute}",
+                        "stages": stages, "model_stages": ks,
+                        "mode": mode, "schedule": schedule, "recompute": recompute,
+                        "what_runs": what, "peak": runtime.last_peak(),
+                        "warnings": len(caught), "loss": loss, "loss_dense": want_loss,
+                        "rel_error": err, "grads": len(got), "forward_calls": calls,
+                        "want_forward_calls": want_calls,
+                        "want_runs": want_runs,
+                        "passed": (err <= 1e-5 and what == want_runs and calls == want_calls
+                                   and (forced or not caught))})
         return records
 
     return under_layout(ctx, layout, body)

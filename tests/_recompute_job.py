@@ -2,7 +2,7 @@
 
 The checks live next to the tests (``_recompute_checks.py``); the worker imports them
 through ``spec["modules"]`` with this folder on ``PYTHONPATH``. Layouts: tp2 x cp2 for
-the layer set and the RNG tracker, tp2 x pp2 for the pipeline runtime.
+the layer set and the RNG tracker, tp2 x pp2 and pp2 x dp2 for the pipeline runtime.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ TIMEOUT_S = 600
 
 _TP2_CP2 = {"tp": 2, "cp": 2}
 _TP2_PP2 = {"tp": 2, "pp": 2}
+_PP2_DP2 = {"tp": 1, "pp": 2}
 SPEC = {
     "modules": ["_recompute_checks"],
     "layout": {"world_size": WORLD_SIZE, **_TP2_CP2},
@@ -31,9 +32,10 @@ SPEC = {
                                                 "variants": ["selective"],
                                                 "methods": ["allgather_kv"]}},
         {"name": "recompute.rng", "params": {"layout": _TP2_CP2}},
-        # PyNative only: under jit the runtime recomputes whatever is asked (the pure
-        # runtime_recompute says so, unit-tested); its compile cost 40-60 s of this job
-        {"name": "recompute.pipeline", "params": {"layout": _TP2_PP2, "modes": ["pynative"]}},
+        # Every schedule x mode x recompute against the dense model, the stage forwards
+        # counted: tp2 x pp2 (jit recomputes there, runtime_recompute says why) and pp2 x dp2
+        {"name": "recompute.pipeline", "params": {"layout": _TP2_PP2, "tag": "tp2pp2"}},
+        {"name": "recompute.pipeline", "params": {"layout": _PP2_DP2, "tag": "pp2dp2"}},
     ],
 }
 _ALL = "ring+ulysses+allgather_kv"

@@ -366,10 +366,11 @@ def test_plan_notes_in_json_and_on_stderr(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     notes = data["notes"]
-    assert notes[0].startswith("pp=2: 1f1b runs the backward of its oldest kept forward first")
+    # The pipeline keeps its stage forwards: no pp note (pipeline.recompute.runtime_recompute).
+    assert not any(n.startswith("pp=") for n in notes)
     assert any("overlap_grad_reduce" in n for n in notes)
     assert result.stderr.strip().splitlines() == [f"msdist: note: {n}" for n in notes]
-    assert data["model"]["runtime"] == {"stage_recompute": True}
+    assert data["model"]["runtime"] == {"stage_recompute": False}
     assert data["model"]["training"]["overlap_grad_reduce"] is True
     assert data["model"]["priced_training"]["overlap_grad_reduce"] is False
     assert data["model"]["architecture"]["activation"] == "gelu" and data["model"]["zero_stage"] == 0

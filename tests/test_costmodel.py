@@ -514,41 +514,49 @@ def test_llama3_stage_cut_counts_the_embedding_and_the_loss():
 def test_what_runs_notes_and_prices_the_runtime():
     training = TrainingSpec(recompute="selective")
     priced, runtime, notes = what_runs(training, tp=2, cp=1, pp=2, dp=2)
-    assert runtime.stage_recompute is True and priced.overlap_grad_reduce is False
-    assert notes[0].startswith("pp=2: 1f1b runs the backward of its oldest kept forward first")
-    assert "priced as not overlapped" in notes[1]
+    # The pipeline keeps its stage forwards (pipeline.recompute.runtime_recompute): no pp note.
+    assert runtime.stage_recompute is False and priced.overlap_grad_reduce is False
+    assert not any(n.startswith("pp=") for n in notes)
+    assert "priced as not overlapped" in notes[0]
     # pp = 1, dp = 1: nothing differs, no note.
     assert what_runs(training, 1, 1, 1, 1) == (training, Runtime(stage_recompute=False), [])
-    # recompute full asked on pp = 2: the runtime's own reason.
-    assert what_runs(TrainingSpec(recompute="full"), 1, 1, 2, 1)[2][0].startswith("pp=2: recompute='full'")
+    # recompute full on pp = 2: the model recomputes each layer inside kept stage forwards
+    # (model_request), the runtime re-runs nothing more.
+    assert what_runs(TrainingSpec(recompute="full"), 1, 1, 2, 1) == (
+        TrainingSpec(recompute="full"), Runtime(stage_recompute=False), [])
     # ZeRO-3 says how fully_shard gathers; overlap is irrelevant there.
     notes = what_runs(TrainingSpec(zero_stage=3), 1, 1, 1, 4)[2]
     assert len(notes) == 1 and notes[0].startswith("zero_stage 3: fully_shard")
 
 
 def test_estimate_prices_the_pipeline_runtime_and_reports_notes():
-    # GPT-3 tp8 x pp8: the runtime keeps one stage input per micro-batch in flight and one micro-batch of
-    # the stage's activations: stage 0 holds 8 token-id inputs, 12 layers x 34/t sbh of one micro-batch,
-    # the recomputed scores of one layer and the embedding's own (its dropout mask).
+    # GPT-3 tp8 x pp8 x 1F1B + selective (Korthikanti et al.): the runtime keeps each in-flight
+    # micro-batch's stage forward, so stage 0 holds p = 8 micro-batches of its 12 layers (34/t sbh
+    # each: 96 layer-activations, Korthikanti's 34 sbhL/t), their 8 embeddings (token ids and the
+    # dropout mask) and the recomputed scores of one layer.
     training = TrainingSpec(global_batch_size=1536, recompute="selective")
     layout = Layout(world_size=64, tp=8, pp=8, devices_per_node=8)
     report = estimate(layout, Workload(model=GPT3, training=training))
     first = report["memory"]["stages"][0]
     layer, scores = 106_954_752, 4 * A * S * S // 8
-    assert first["activations_bytes"] == 8 * (8 * S) + 12 * layer + scores + SBH // 8
+    assert first["activations_bytes"] == 96 * layer + 8 * (8 * S + SBH // 8) + scores
     last = report["memory"]["stages"][7]
-    # The last stage: one stage input (its input gradient), its 12 layers, the scores, the output layer's inputs.
-    assert last["activations_bytes"] == SBH * 2 // 8 + 12 * layer + scores + 4 * SBH // 8 * (1 + Fraction(V, H))
-    assert report["model"]["runtime"] == {"stage_recompute": True}
+    # The last stage: one micro-batch in flight, its 12 layers, the scores, the output layer's inputs.
+    assert last["activations_bytes"] == 12 * layer + scores + 4 * SBH // 8 * (1 + Fraction(V, H))
+    assert report["model"]["runtime"] == {"stage_recompute": False}
     assert report["model"]["priced_training"]["recompute"] == "selective"
-    assert report["notes"] and report["notes"][0].startswith("pp=8:")
-    # Compute: stages 0-6 re-run their 12 layers' forward (4 passes), stage 7 adds the logits without a
-    # re-run (3 passes of 12 layers + logits): a re-running stage is busier (the later one on the tie).
+    assert not any(n.startswith("pp=") for n in report["notes"])
+    # Compute: a kept stage runs 3 passes of its 12 layers (+ the selective scores); the last adds the
+    # logits and is the busiest. Where the runtime re-runs (Runtime(stage_recompute=True)), stages 0-6
+    # run 4 passes and are busier (the later one on the tie).
+    kept = stage_slot_flops(GPT3, training, 8, 1, 8, Runtime(stage_recompute=False))
+    assert kept["stage"] == 7
+    assert report["time"]["slot_s"] * 150e12 == pytest.approx(kept["total"])
     slot = stage_slot_flops(GPT3, training, 8, 1, 8, Runtime(stage_recompute=True))
     layer = 24 * S * H * H + 4 * S * S * H
     assert slot["stage"] == 6
     assert slot["total"] == pytest.approx((4 * 12 * layer + 12 * 4 * S * S * H) / 8)  # + selective scores
-    assert report["time"]["slot_s"] * 150e12 == pytest.approx(slot["total"])
+    assert kept["total"] < slot["total"]
 
 
 # ------------------------------------------------------------------ against the library's own Parameters

@@ -8,12 +8,12 @@ difference, which the commands print (stderr in rich mode, the JSON ``notes`` li
 =======================  ==============================================================
 option / layout          what the library runs, and how it is priced
 =======================  ==============================================================
-``pp > 1``               the pipeline runtime (1F1B / interleaved) keeps only each
-                         model stage's input per micro-batch and re-runs the stage's
-                         forward in its backward (all model stages but the last, which
-                         takes its gradients in the forward): +1 forward of those
-                         layers, their tp collectives again, and one micro-batch of the
-                         stage's activations at a time (``Runtime.stage_recompute``)
+``pp > 1``               the pipeline runtime (1F1B / interleaved) keeps each in-flight
+                         micro-batch's stage forward until its backward (PyNative):
+                         priced as configured, no note. Where the runtime says it
+                         recomputes (``Runtime.stage_recompute``): +1 forward of every
+                         stage but the last, their tp collectives again, and one
+                         micro-batch of the stage's activations at a time
 ``overlap_grad_reduce``  the dp-cp gradient reduction (DistributedOptimizer.step /
                          GradientFinalizer) runs after the backward: priced exposed
 ``zero_stage: 3``        fully_shard's default (``reshard_after_forward=False``): one
@@ -23,15 +23,17 @@ option / layout          what the library runs, and how it is priced
 =======================  ==============================================================
 
 :func:`mindscience.distributed.pipeline.recompute.runtime_recompute` (the runtime's own
-description, pure) decides the first row: ``"full"`` there is ``Runtime.stage_recompute``.
-The cost model prices the 1F1B / interleaved schedules in the runtime's default
-``pynative`` mode; a local description takes over if that function is missing.
+description, pure), asked with ``pipeline.recompute.model_request(training.recompute)``
+(what the model asks), decides the first row: ``"full"`` there is
+``Runtime.stage_recompute``. The cost model prices the 1F1B / interleaved schedules in the
+runtime's default ``pynative`` mode; a local description takes over if that function is
+missing.
 
 Example:
     >>> from mindscience.distributed.costmodel.spec import TrainingSpec
     >>> training, runtime, notes = what_runs(TrainingSpec(), tp=1, cp=1, pp=4, dp=2)
     >>> training.overlap_grad_reduce, runtime.stage_recompute, len(notes)
-    (False, True, 2)
+    (False, False, 1)
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ def _library_answer(training: TrainingSpec, pp: int):
         return None
     v = training.virtual_pipeline_stages
     schedule = "interleaved" if v > 1 else "1f1b"
+    # The model marks its own cells (training.recompute) and asks the runtime for kept
+    # stage forwards (GPTModel.forward_backward): ask what it asks.
+    request = getattr(module, "model_request", lambda r: r)
     try:
-        answer = fn(schedule, "pynative", training.recompute, pp, v)
+        answer = fn(schedule, "pynative", request(training.recompute), pp, v)
     except (TypeError, ValueError):  # another signature: fall back to the local description
         return None
     if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], str):

@@ -407,13 +407,17 @@ class GPTModel(nn.Cell):
             loss, grads = self._accumulate(xs, ts, mode)
         else:
             from ..pipeline import forward_backward
+            from ..pipeline.recompute import model_request
 
             if mode == "jit":
                 self._compile_stages(xs[0], ts[0])
             self._reset_moe(m)  # after the compile runs: they count into the buffers too
             stage = self.chunks if sched == "interleaved" else self.chunks[0]
+            # The stages keep their forwards until their backwards; the cells marked by
+            # config.recompute recompute inside them (pipeline.recompute.model_request).
             loss, grads = forward_backward(stage, xs, ts, self.loss_fn, schedule=sched, mode=mode,
-                                           group=self.pp)
+                                           group=self.pp,
+                                           recompute=model_request(self.config.recompute))
             order = {id(p): i for i, p in enumerate(
                 q for chunk in self.chunks for q in chunk.trainable_params())}
             grads = tuple(grads[order[id(p)]] for p in params)
@@ -476,12 +480,17 @@ class GPTModel(nn.Cell):
         which do the same, take part. Once per input shape (the compiled functions are
         cached on the chunks).
         """
+        from ..pipeline.recompute import model_request, runtime_recompute
         from ..pipeline.stage_fns import stage_fns
 
         key = (tuple(x0.shape), tuple(t0.shape))
         if key in self.__dict__.setdefault("_compiled_for", set()):
             return
         stages = self.pp.size * self.virtual_stages
+        keep = runtime_recompute(
+            "interleaved" if self.virtual_stages > 1 else "1f1b", "jit",
+            model_request(self.config.recompute), self.pp.size, self.virtual_stages,
+            self.tp.size * self.cp.size)[0] != "full"
         s_cp, b = int(x0.shape[0]), int(x0.shape[1])
         rows = s_cp // self.tp.size if self.init.sequence_parallel else s_cp
         hidden = ops.zeros((rows, b, self.config.hidden_size), self.init.dtype)
@@ -493,8 +502,14 @@ class GPTModel(nn.Cell):
             if last:
                 fns.loss(x, t0, ms.Tensor(0.0, ms.float32), fns.zeros(), ops.zeros((), ms.float32))
             else:
-                y = fns.forward(x)
-                fns.backward(x, ops.zeros(y.shape, y.dtype), fns.zeros())
+                # What the pipeline will run: the kept forward and its backward, or the
+                # forward and the recomputing backward.
+                if keep:
+                    y, pending = fns.keep(x)
+                    fns.backward_kept(pending, ops.zeros(y.shape, y.dtype), fns.zeros())
+                else:
+                    y = fns.forward(x)
+                    fns.backward(x, ops.zeros(y.shape, y.dtype), fns.zeros())
         self._compiled_for.add(key)
 
     def _accumulate(self, xs, ts, mode):

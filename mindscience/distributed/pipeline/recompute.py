@@ -9,30 +9,32 @@ last either
 
 * recomputes (``"full"``): it keeps only the stage input and runs the forward again inside
   ``B{j}`` (an in-flight micro-batch costs one stage input, plus one extra forward); or
-* keeps the forward (``"none"`` / ``"selective"``): ``F{j}`` runs under
-  ``mindspore.vjp``, whose pending backward holds the stage's activations until ``B{j}``
-  (no extra forward). ``"selective"`` is ``"none"`` at the runtime level: the cells the
-  model marks (e.g. ``ContextParallelAttention(recompute=True)``) recompute inside the
+* keeps the forward (``"none"`` / ``"selective"``): ``F{j}`` runs the stage as a top cell
+  with ``set_grad(True)`` and ``B{j}`` back-propagates it with
+  ``GradOperation(sens_param=True)`` on the very same input tensor (no extra forward).
+  ``"selective"`` is ``"none"`` at the runtime level: the cells the model marks (e.g.
+  ``ContextParallelAttention(recompute=True)``, ``Cell.recompute()``) recompute inside the
   kept forward.
 
 The last model stage computes its loss and gradients in one pass at ``F{j}`` and never
-recomputes. What MindSpore 2.10 allows (measured on CPU): several pending
-``mindspore.vjp`` backwards run newest-first; the oldest first fails ("Can not find top
-cell for backward") and breaks the other pending ones. So 1F1B and the interleaved
-schedule (oldest first by design) recompute, and GPipe keeps its forwards by running its
-backwards newest-first (:func:`kept_schedule`: the same bubble and the same peak of
-micro-batches in flight as GPipe's oldest-first order). In PyNative only: kept
-``ms.jit``-compiled forwards are exact for a plain stage in one process, but at tp2 x pp2
-(a tensor-parallel all-reduce in the compiled stage) the older micro-batches' gradients
-came out wrong (max error 0.015 against full recompute, measured), so ``mode="jit"``
-recomputes.
+recomputes. What MindSpore 2.10 allows (measured on CPU, tp2 x pp2 and pp2 x dp2, every
+schedule, against the dense model): kept forwards back-propagate in any order, so 1F1B,
+interleaved and GPipe keep them in their own order, in PyNative at any tp / cp, and under
+jit (a compiled ``construct``) where the stage holds no tp / cp collective. Two things
+needed care: MindSpore's PyNative recompute cell (``Cell.recompute()``) re-runs its newest
+forward in each backward, so the runtime lets each marked cell of a kept stage find its
+own forward (:func:`~.stage_fns.any_order_recompute`); and a kept compiled stage with two
+tensor-parallel blocks gave wrong gradients (2 ranks, even with one micro-batch in flight),
+so ``mode="jit"`` at ``tp * cp > 1`` recomputes. (``mindspore.vjp``, used before, runs its
+pending backwards newest-first only.) :func:`kept_schedule` (GPipe with newest-first
+backwards) is what the runtime ran with ``vjp``; it is kept as a schedule.
 
 Example::
 
-    runtime_recompute("1f1b", "pynative", "none", 4)
-    # ("full", "1f1b runs the backward of its oldest kept forward first, ...")
-    runtime_recompute("gpipe", "pynative", "selective", 2)
-    # ("selective", "gpipe keeps every stage's forward (mindspore.vjp) ...")
+    runtime_recompute("1f1b", "pynative", "selective", 4)
+    # ("selective", "1f1b keeps each in-flight micro-batch's stage forward from F to B ...")
+    runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)
+    # ("full", "mode='jit' with tensor or context parallelism: ...")
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ import numbers
 
 from . import schedules as S
 
-__all__ = ["RECOMPUTE", "RUNTIME_MODES", "RecomputeError", "runtime_recompute", "kept_order",
-           "kept_schedule"]
+__all__ = ["RECOMPUTE", "RUNTIME_MODES", "RecomputeError", "runtime_recompute", "model_request",
+           "kept_order", "kept_schedule"]
 
 RECOMPUTE = ("full", "selective", "none")
 RUNTIME_MODES = ("pynative", "jit")
@@ -70,7 +72,7 @@ def _check(schedule, mode, recompute, pp, virtual_stages) -> None:
 
 
 def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
-                      virtual_stages: int = 1) -> tuple:
+                      virtual_stages: int = 1, model_parallel: int = 1) -> tuple:
     """``(what_runs, reason)``: what the pipeline runtime does for this configuration.
 
     Args:
@@ -80,6 +82,8 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         pp: Pipeline ranks.
         virtual_stages: Model chunks per rank (interleaved); ``pp * virtual_stages``
             model stages in all.
+        model_parallel: Ranks a stage's forward spans (``tp * cp``): above 1 the stage
+            holds collectives.
 
     Returns:
         ``what_runs``: ``"full"`` (every model stage but the last keeps only its input
@@ -91,19 +95,25 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         By configuration (more than one model stage unless said):
 
         * ``recompute="full"``: ``"full"``;
-        * one model stage (``pp * virtual_stages == 1``): the request, ``"full"`` read as
-            ``"none"`` (loss and gradients in one pass, nothing recomputed);
-        * GPipe in PyNative: the request (newest-first backwards keep the forwards);
-        * GPipe under jit, 1F1B, interleaved, asked ``"none"``/``"selective"``:
-            ``"full"`` (forced; measured, see the module docstring).
+        * one model stage (``pp * virtual_stages == 1``): the request, ``"full"`` read
+          as ``"none"`` (loss and gradients in one pass, nothing recomputed);
+        * ``"none"``/``"selective"`` in PyNative, and under jit with
+          ``model_parallel == 1``: the request (every schedule keeps its forwards and
+          back-propagates them in its own order);
+        * ``"none"``/``"selective"`` under jit with ``model_parallel > 1``: ``"full"``
+          (forced, measured, see the module docstring).
 
     Raises:
         RecomputeError: an unknown value, or a size < 1.
 
-    Example: ``runtime_recompute("1f1b", "pynative", "none", 2)[0] == "full"``;
-    ``runtime_recompute("gpipe", "pynative", "none", 2)[0] == "none"``.
+    Example: ``runtime_recompute("1f1b", "pynative", "selective", 8)[0] == "selective"``;
+    ``runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)[0] == "full"``.
     """
     _check(schedule, mode, recompute, pp, virtual_stages)
+    if isinstance(model_parallel, bool) or not isinstance(model_parallel, numbers.Integral) \
+            or model_parallel < 1:
+        raise RecomputeError(f"model_parallel={model_parallel!r} is invalid: expected an integer "
+                             ">= 1 (the ranks of a stage's forward, tp * cp).")
     stages = pp * virtual_stages
     if stages == 1:
         what = "none" if recompute == "full" else recompute
@@ -113,9 +123,32 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
     if recompute == "full":
         return "full", ("recompute='full': every model stage but the last keeps its input only "
                         "and recomputes its forward in the backward.")
-    return recompute, (f"{schedule} keeps each in-flight micro-batch's stage forward from F to B "
-                       f"(mode={mode!r}; backwards in the schedule's own order, nothing re-run); "
-                       f"recompute={recompute!r} runs as asked.")
+    if mode == "jit" and model_parallel > 1:
+        return "full", ("mode='jit' with tensor or context parallelism: a kept compiled stage "
+                        "forward gives wrong gradients once the stage holds two tensor-parallel "
+                        "blocks (MindSpore 2.10 CPU, measured even with one micro-batch in "
+                        "flight), so every model stage but the last recomputes its forward: "
+                        f"recompute={recompute!r} is run as 'full'; use mode='pynative' to keep "
+                        "activations.")
+    return recompute, (f"{schedule} keeps each in-flight micro-batch's stage forward from F to "
+                       f"B (mode={mode!r}; the backwards in the schedule's own order, no forward "
+                       f"run again); recompute={recompute!r} runs as asked.")
+
+
+def model_request(recompute: str) -> str:
+    """What a model whose layers carry ``recompute`` themselves asks the runtime for.
+
+    ``GPTModel`` marks its cells (``selective``: each attention core; ``full``: each layer,
+    :func:`mindscience.distributed.random.recompute`), so the stage forwards are kept and
+    those cells recompute inside them: the runtime's ``"selective"``; ``"none"`` keeps
+    everything. The cost model asks :func:`runtime_recompute` with this.
+
+    Example: ``model_request("full") == "selective"``.
+    """
+    if recompute not in RECOMPUTE:
+        raise RecomputeError(f"recompute={recompute!r} is invalid: expected one of "
+                             f"{', '.join(RECOMPUTE)}.")
+    return "none" if recompute == "none" else "selective"
 
 
 def kept_order(p: int, m: int, rank: int) -> list:

@@ -14,19 +14,19 @@ step            what this rank does
                 received gradient of the output; the parameter gradients are summed over
                 micro-batches. ``recompute="full"`` (default): the forward is recomputed from
                 the kept input (an in-flight micro-batch costs one stage input). Kept
-                activations (``"none"``/``"selective"``, GPipe in PyNative): ``F{j}`` ran
-                under ``mindspore.vjp`` and ``B{j}`` runs its pending backward, no second
-                forward.
+                activations (``"none"``/``"selective"``): ``F{j}`` ran the stage as a
+                ``set_grad`` top cell and ``B{j}`` back-propagates that very forward
+                (``GradOperation`` on the same input tensor), no second forward.
 ``SEND_*``,     :func:`mindscience.distributed.p2p.transfer` with the neighbour; two joined by
 ``RECV_*``      ``+`` are one exchange.
 ==============  ===============================================================================
 
 Recompute: :func:`~.recompute.runtime_recompute` says what runs for a configuration
-(``last_recompute()`` returns it for the last call). GPipe keeps its forwards and runs its
-backwards newest-first (:func:`~.recompute.kept_schedule`, the order MindSpore's pending
-backwards need) in PyNative; 1F1B, interleaved and ``mode="jit"`` run ``"full"`` whatever
-is asked (with a ``UserWarning`` once per configuration). The last stage computes its loss
-and gradients in one pass (nothing to recompute).
+(``last_recompute()`` returns it for the last call). Every schedule keeps its forwards
+when asked (``"none"``/``"selective"``) and back-propagates them in its own order, in
+PyNative and under jit; under jit with tp or cp > 1 it recomputes (``"full"``, a
+``UserWarning`` once per configuration says why). The last stage computes its loss and
+gradients in one pass (nothing to recompute).
 
 Execution: ``mode="pynative"`` runs the stage eagerly; ``mode="jit"`` compiles the stage's
 forward and its backward (``ms.jit``), the parameter gradients summed over micro-batches
@@ -70,14 +70,13 @@ from .. import collectives as C
 from .. import p2p
 from .arguments import (MODES, PipelineError, check_activation_shape, check_args,
                         check_recompute, data_problem)
-from .recompute import kept_schedule, runtime_recompute
+from .recompute import runtime_recompute
 from .schedules import SCHEDULES, build
-from .stage_fns import cache_of, stage_fns
+from .stage_fns import any_order_recompute, cache_of, stage_fns
 
 # The action lists of one configuration never change, and building them (two placements,
 # a simulation, a validation) costs 1-500 ms: once per (schedule, p, m, v), not per step.
 _schedule = functools.lru_cache(maxsize=64)(build)
-_kept_schedule = functools.lru_cache(maxsize=64)(kept_schedule)
 _WARNED: set = set()
 
 __all__ = ["forward_backward", "PipelineError", "stage_parameters", "last_peak",
@@ -113,6 +112,15 @@ def stage_parameters(stage) -> list:
     for cell in cells:
         out.extend(cell.trainable_params())
     return out
+
+
+def _model_parallel() -> int:
+    """``tp * cp`` of the manager's layout (1 without one): the ranks a stage spans."""
+    from .. import manager
+
+    if not manager.is_initialized():
+        return 1
+    return manager.get_tensor_parallel_world_size() * manager.get_context_parallel_world_size()
 
 
 def _pp_group(group):
@@ -200,12 +208,12 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
         group: The pipeline group; default the manager's ``pp`` group.
         recompute: ``"full"`` (default): every stage but the last keeps only its input per
             micro-batch in flight and recomputes its forward in the backward. ``"none"`` /
-            ``"selective"``: keep the stage activations (no second forward; the cells the
-            model marks with ``recompute`` still recompute inside) where MindSpore allows
-            it: GPipe in PyNative, whose backwards then run newest-first. 1F1B,
-            interleaved and ``mode="jit"`` run ``"full"`` (a ``UserWarning`` once per
-            configuration says so); see
-            :func:`~.recompute.runtime_recompute` and :func:`last_recompute`.
+            ``"selective"``: keep the stage forwards until their backwards (no second
+            forward; the cells the model marks with ``recompute`` still recompute inside),
+            every schedule, in PyNative, and under jit where the stage spans one tp / cp
+            rank (with tp or cp > 1 ``mode="jit"`` runs ``"full"``, a ``UserWarning`` once
+            per configuration says so); see :func:`~.recompute.runtime_recompute` and
+            :func:`last_recompute`.
 
     Returns:
         ``(loss, grads)``: ``loss`` the mean over micro-batches (a float32 scalar tensor,
@@ -229,13 +237,14 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     p, i = g.size, g.rank
     cells = list(stage) if schedule == "interleaved" else [stage]
     m, v = len(inputs), len(cells)
-    what_runs, reason = runtime_recompute(schedule, mode, recompute, p, v)
+    stages = p * v
+    what_runs, reason = runtime_recompute(schedule, mode, recompute, p, v, _model_parallel())
     keep = what_runs != "full" and p * v > 1
     if recompute != "full" and what_runs == "full" and (schedule, mode, recompute) not in _WARNED:
         _WARNED.add((schedule, mode, recompute))
         warnings.warn(f"forward_backward: {reason}", UserWarning, stacklevel=2)
     _LAST["recompute"] = (what_runs, reason)
-    sched = _kept_schedule(p, m) if keep else _schedule(schedule, p, m, v)
+    sched = _schedule(schedule, p, m, v)
     problem = data_problem(inputs, targets, i == 0, i == p - 1, p, i)
     # The shapes learned at the first call live on the (first) chunk: they die with it.
     # The other chunks are in the key itself (Cells hash by identity), which keeps them alive.
@@ -244,16 +253,16 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     entry = learned_all.get(key)
     first_call = entry is None
     if first_call and p > 1:
-        if keep:
-            _agree(g, m, v, schedule, problem, keep=True)
-        else:
-            _agree(g, m, v, schedule, problem)
+        _agree(g, m, v, schedule, problem, keep=keep)
     if problem is not None:
         raise PipelineError(problem)
     learned = {} if first_call else entry
-    stages = p * v
     fns = [stage_fns(cell, loss_fn, mode, c * p + i == 0, c * p + i == stages - 1)
            for c, cell in enumerate(cells)]
+    if keep and mode == "pynative":
+        for c, cell in enumerate(cells):
+            if c * p + i != stages - 1:
+                any_order_recompute(cell)
     links = _links(g, p, i, ring=v > 1) if p > 1 else {}
     run = _Run(sched, g, p, i, v, fns, inputs, targets, links, learned, first_call, shape, keep)
     run.execute()
@@ -280,7 +289,7 @@ class _Run:
         self.links, self.learned, self.check = links, learned, check
         self.shape = shape
         self.stages = p * v
-        self.kept = {}      # (j, c) -> stage input, or its pending vjp when kept (until B)
+        self.kept = {}      # (j, c) -> stage input (its forward kept by MindSpore when kept)
         self.out = {}       # ("F"|"B", j, c) -> tensor to send
         self.got = {}       # ("F"|"B", j, c) -> received (or local) tensor
         self.dx = {}        # (j, c) -> last stage's input gradient, from F
@@ -321,6 +330,10 @@ class _Run:
                                                   self.loss)
             self.dx[(j, c)] = dx
         elif self.keep_forward:
+            if any(x is k for k in self.kept.values()):
+                # MindSpore finds a kept forward by its input's identity: the same tensor
+                # passed for two micro-batches in flight gets a copy of its own.
+                x = x.copy()
             y, self.kept[(j, c)] = f.keep(x)
             self._deliver("F", j, gidx, y)
         else:

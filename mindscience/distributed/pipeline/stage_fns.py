@@ -8,11 +8,13 @@
   the accumulators ``acc``;
 * ``loss(x, t, scale, acc, loss_acc) -> (dx, acc, loss_acc)`` on the last model stage:
   ``loss_fn(cell(x), t) * scale`` and its gradients, both added to accumulators;
-* kept activations (the runtime's ``recompute="none"|"selective"``, PyNative): ``keep(x)
-  -> (y, pending)`` runs the forward under ``mindspore.vjp``, and ``backward_kept(pending,
-  dy, acc) -> (dx, acc)`` runs its backward without a second forward. Pending backwards
-  must run newest-first; the runtime does not keep compiled forwards (see
-  :mod:`.recompute` for both, measured).
+* kept activations (the runtime's ``recompute="none"|"selective"``): ``keep(x) -> (y,
+  pending)`` runs the chunk as a top cell with ``set_grad(True)`` (its ``construct``
+  compiled under jit), and ``backward_kept(pending, dy, acc) -> (dx, acc)`` back-propagates
+  that forward (``GradOperation(sens_param=True)`` on the same input tensor: MindSpore
+  finds the stored forward by the input's identity), in any order, without a second
+  forward; :func:`any_order_recompute` lets the ``Cell.recompute()``-ed cells inside do
+  the same (see :mod:`.recompute`, measured).
 
 Accumulation (``python bench/bench_pipeline_accumulate.py --mode jit|pynative``, one
 process on this shared 2-core CPU, 4 layers of 64x64 + bias = 8 parameters, 8 micro-batches,
@@ -46,9 +48,9 @@ from __future__ import annotations
 import types
 
 import mindspore as ms
-from mindspore import ops
+from mindspore import nn, ops
 
-__all__ = ["stage_fns", "MAX_LOSS_FNS"]
+__all__ = ["stage_fns", "MAX_LOSS_FNS", "any_order_recompute"]
 
 _ATTR = "_msdist_pipeline_fns"
 MAX_LOSS_FNS = 4  # loss functions kept per cell and mode (oldest dropped first)
@@ -105,8 +107,14 @@ class _Chunk:
 
         self.forward = ms.jit(forward) if self.jit else forward
         self._grad = None
+        self._out_dtype = None
         if first and not params:
             return  # nothing to differentiate: no input gradient, no parameters
+        kept = (_KeptJit if self.jit else _Kept)(cell)
+        kept.set_grad(True)
+        self._kept = kept
+        gop = ops.GradOperation(get_all=not first, get_by_list=bool(params), sens_param=True)
+        self._kept_grad = gop(kept, ms.ParameterTuple(params)) if params else gop(kept)
         grad = ms.grad(vjp, grad_position=None if first else 0,
                        weights=list(params) if params else None)
         split = _splitter(first, bool(params))
@@ -124,29 +132,40 @@ class _Chunk:
             self._grad = ms.jit(fused)
 
     def keep(self, x):
-        """``(y, pending)``: the forward, its activations kept for :meth:`backward_kept`."""
+        """``(y, pending)``: the forward, its activations kept for :meth:`backward_kept`.
+
+        The forward runs as a top cell with ``set_grad(True)`` (the chunk inside a wrapper
+        cell, its ``construct`` compiled under jit); MindSpore keeps what the backward needs
+        under the identity of ``x``, so ``pending`` holds ``x`` itself (the same object
+        goes back in ``backward_kept``; a new tensor with equal values would run the
+        forward again).
+        """
         if self._grad is None:
             return self.forward(x), None
-        if self.params:
-            y, fn = ms.vjp(self.forward, x, weights=list(self.params))
-        else:
-            y, fn = ms.vjp(self.forward, x)
-        return y, (fn, y.dtype)
+        y = self._kept(x)
+        self._out_dtype = y.dtype
+        return y, x
 
     def backward_kept(self, pending, dy, acc):
-        """``(dx, acc)`` from a kept forward: as :meth:`backward`, without recomputing."""
+        """``(dx, acc)`` from a kept forward: as :meth:`backward`, without recomputing.
+
+        Kept forwards may be back-propagated in any order, each once (measured on MindSpore
+        2.10 CPU, also with a tensor-parallel all-reduce inside and under jit; see
+        :mod:`.recompute`).
+        """
         if pending is None:
             return None, acc
-        fn, dtype = pending
-        # dy arrives in the activation's dtype (the next stage's input gradient); the vjp
-        # takes exactly the output's.
-        out = fn(dy if dy.dtype == dtype else dy.astype(dtype))
-        if self.params:
-            inputs, grads = out
-        else:
-            inputs, grads = out, ()
-        dx = None if self.first else (inputs[0] if isinstance(inputs, tuple) else inputs)
-        return dx, _add_into(acc, grads)
+        x = pending
+        # dy arrives in the activation's dtype (the next stage's input gradient); the
+        # backward takes exactly the output's.
+        if dy.dtype != self._out_dtype:
+            dy = dy.astype(self._out_dtype)
+        out = self._kept_grad(x, dy)
+        if self.first:
+            return None, _add_into(acc, tuple(out))
+        if not self.params:
+            return out[0], acc
+        return out[0][0], _add_into(acc, tuple(out[1]))
 
     def backward(self, x, dy, acc):
         """``(dx, acc)``: the input gradient (None on the first stage) and ``acc`` + this one's."""
@@ -159,6 +178,101 @@ class _Chunk:
             return out[0], tuple(out[1:])
         dx, g = self._grad(x, dy)
         return dx, _add_into(acc, g)
+
+
+class _Kept(nn.Cell):
+    """The chunk as a top cell of its own, run with ``set_grad(True)`` for kept forwards.
+
+    ``auto_prefix=False``: holding the chunk must not rename its parameters.
+    """
+
+    def __init__(self, cell):
+        super().__init__(auto_prefix=False)
+        self.chunk = cell
+
+    def construct(self, x):
+        return self.chunk(x)
+
+
+class _KeptJit(_Kept):
+    """:class:`_Kept` with a compiled ``construct`` (``mode="jit"``)."""
+
+    @ms.jit
+    def construct(self, x):
+        return self.chunk(x)
+
+
+_ANY_ORDER: dict = {}
+
+
+def _ptr(x):
+    return x.data_ptr() if isinstance(x, ms.Tensor) else None
+
+
+def _any_order_cls(base):
+    """``base`` (MindSpore's PyNative recompute cell, or a subclass) back-propagating its
+    forwards in any order.
+
+    MindSpore 2.10's ``_RecomputeCell`` keeps the inputs of its forwards in a stack and
+    re-runs the newest in each ``bprop``: kept forwards back-propagated oldest-first get
+    another micro-batch's recomputed activations (measured: wrong gradients). Its
+    ``bprop`` receives the forward's input tensor (the same data, measured): the entry of
+    the forward with that input is moved to the top of the stack first, with the random
+    state that forward started from (MindSpore keeps only the newest one).
+    """
+    cls = _ANY_ORDER.get(base)
+    if cls is not None:
+        return cls
+
+    class AnyOrder(base):
+        def construct(self, *args, **kwargs):
+            out = super().construct(*args, **kwargs)
+            self.__dict__.setdefault("_msdist_rng", []).append(self.cpu_rng_state)
+            return out
+
+        def bprop(self, *args):
+            rng = self.__dict__.setdefault("_msdist_rng", [])
+            key = _ptr(args[0]) if args else None
+            stacks = [self.args, self.kwargs, rng]
+            extra = self.__dict__.get("stream_states")  # random.recompute's replay cell
+            if isinstance(extra, list):
+                stacks.append(extra)
+            n = len(self.args)
+            at = n - 1
+            if key is not None:
+                for idx in range(n - 1, -1, -1):
+                    saved = self.args[idx]
+                    if saved and _ptr(saved[0]) == key:
+                        at = idx
+                        break
+            for stack in stacks:
+                if len(stack) == n and 0 <= at < n - 1:
+                    stack.append(stack.pop(at))
+            if rng:
+                self.cpu_rng_state = rng.pop()
+            return super().bprop(*args)
+
+    AnyOrder.__name__ = AnyOrder.__qualname__ = f"AnyOrder{base.__name__}"
+    _ANY_ORDER[base] = AnyOrder
+    return AnyOrder
+
+
+def any_order_recompute(cell) -> int:
+    """Let every ``Cell.recompute()``-ed cell in ``cell`` back-propagate kept forwards in
+    any order (PyNative); returns how many ``cell`` holds. Idempotent."""
+    n = 0
+    for _, sub in cell.cells_and_names():
+        rc = getattr(sub, "_recompute_cell", None)
+        if rc is None:
+            continue
+        n += 1
+        if type(rc).__name__.startswith("AnyOrder"):
+            continue
+        if not (callable(getattr(rc, "bprop", None)) and hasattr(rc, "args")
+                and hasattr(rc, "cpu_rng_state")):
+            continue  # not the recompute cell measured here: left as it is
+        rc.__class__ = _any_order_cls(type(rc))
+    return n
 
 
 def _splitter(first, has_params):
