@@ -3,7 +3,8 @@
 It sits next to :mod:`~mindscience.distributed.topology` at the bottom of the tree and
 reads group placement (which groups span nodes) from it. Modules, in reading order:
 
-* :mod:`.spec` — the model, training and cluster descriptions and their YAML sections;
+* :mod:`.spec` — the model, training and cluster descriptions and their YAML sections
+  (:mod:`.moe_spec`: the mixture-of-experts keys' checks; :mod:`.values`: single-value checks);
 * :mod:`.constraints` — the divisibility rules a layout must meet for a model;
 * :mod:`.params` — parameters per layer, pipeline rank and ZeRO shard (the structure ``GPTModel`` builds);
 * :mod:`.memory` — bytes per rank and pipeline stage (ZeRO stages 0-3, activations);
