@@ -381,3 +381,16 @@ def test_moe_imbalance_option_scales_the_busiest_ranks_dispatch(tmp_path):
     assert_bad_input(invoke("plan", path, "--model", "tiny-moe", "--moe-imbalance", 0.5), "--moe-imbalance 0.5 is invalid")
     assert_bad_input(invoke("suggest", "-m", "tiny-llama", "-w", 8, "--moe-imbalance", 1.2),
                      "--moe-imbalance needs a mixture-of-experts model")
+
+
+def test_zero_stage_3_runs_the_experts_as_stage_2():
+    # DistributedOptimizer keeps the experts in a second optimizer over edp (stage 3 as stage 2);
+    # fully_shard leaves them whole: weights whole, gradients and state / edp, one RS + AG per step.
+    w = preset("tiny-moe")
+    t3 = replace(w.training, zero_stage=3)
+    row = stage_rows(w.model, t3, 2, 1, 1, 4, 0, None, ep=4, etp=1)[0]
+    assert row["expert_bytes"] == 98_304 * (4 + 4 / 2 + 12 / 2)
+    dense_params = row["parameters"] - row["expert_parameters"]
+    assert row["gathered_bytes"] == 4 * dense_params  # only the dense weights are gathered
+    edp = [(r["op"], r["count"]) for r in traffic(w.model, t3, 2, 1, 1, 4, ep=4, etp=1) if r["group"] == "edp"]
+    assert edp == [("reduce_scatter", 1), ("all_gather", 1)]

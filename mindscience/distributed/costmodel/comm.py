@@ -214,6 +214,8 @@ def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: 
     all-reduce); stage 3 all-gathers every parameter before each forward (``regather``:
     also before the pipeline runtime's re-run forward) and reduce-scatters its gradient,
     per parameter and micro-batch (``fully_shard``, ``reshard_after_forward=False``).
+    ``experts`` (``(etp, ep)``): the routed experts' rows over ``d`` = edp, at stage 3 as at
+    stage 2 (``DistributedOptimizer``'s expert optimizer; ``fully_shard`` leaves them whole).
 
         >>> m = ModelSpec(num_layers=1, hidden_size=4, num_attention_heads=1, seq_length=2, vocab_size=0,
         ...               bias=False, normalization="rmsnorm", position_embedding="rope")
@@ -223,11 +225,12 @@ def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: 
     """
     if d <= 1:
         return []
-    group = "dp-cp"
+    group, stage = "dp-cp", training.zero_stage
     if experts is not None:  # (etp, ep): the routed experts over their data-parallel group edp
         from .params import stage_expert_counts
 
-        group = "edp"
+        # DistributedOptimizer's expert optimizer runs stage 3 as stage 2 (fully_shard leaves experts whole).
+        group, stage = "edp", min(stage, 2)
         params, shard, tensors = max(stage_expert_counts(model, training, pp, *experts, d))
         if not params:
             return []
@@ -235,9 +238,9 @@ def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: 
         params, shard, tensors = max(stage_counts(model, tp, pp, d, training))
     padded = d * shard  # the all-gathered / reduce-scattered buffer
     w = BYTES[training.precision]["weights"]
-    if training.zero_stage == 0:
+    if stage == 0:
         return [_row(group, "all_reduce", d, 1, params * GRADIENT_BYTES)]
-    if training.zero_stage < 3:
+    if stage < 3:
         return [_row(group, "reduce_scatter", d, 1, padded * GRADIENT_BYTES),
                 _row(group, "all_gather", d, 1, padded * w)]
     gathers = 2 if regather else 1

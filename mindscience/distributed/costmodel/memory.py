@@ -269,9 +269,12 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
 
     Mixture of experts (``ep``, ``etp``; etp None = tp): the routed experts of a rank's
     MoE layers (:func:`~.params.stage_expert_counts`, ``E/ep`` experts of width
-    ``f_e/etp``) add their weights, gradients and optimizer state, sharded at ZeRO stages
-    1-3 over the expert data-parallel group ``edp = world / (etp * ep * pp)`` (not dp-cp);
-    ``expert_parameters``/``expert_bytes`` say how much of the row they are. A MoE layer's
+    ``f_e/etp``) add their weights, gradients and optimizer state, the state sharded at
+    ZeRO stages >= 1 and the gradients at >= 2 over the expert data-parallel group
+    ``edp = world / (etp * ep * pp)`` (not dp-cp);
+    ``expert_parameters``/``expert_bytes`` say how much of the row they are. At stage 3
+    the experts are priced as at stage 2 (weights whole): ``DistributedOptimizer`` keeps them
+    in a second optimizer over edp and ``fully_shard`` leaves them whole. A MoE layer's
     activations are :func:`moe_layer_activation_bytes` (the stage's layers in flight are
     priced at the mean of its dense and MoE layers).
     """
@@ -316,7 +319,9 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
         if stage == pp - 1:
             activations += last
         e_params, e_sharded, _ = experts[stage]
-        expert_bytes = (w * (e_sharded if stage_z >= 3 else e_params)
+        # DistributedOptimizer keeps the experts in a second optimizer over edp that shards their state
+        # (stage >= 1) and gradients (>= 2); stage 3 runs them as stage 2: fully_shard leaves them whole.
+        expert_bytes = (w * e_params
                         + GRADIENT_BYTES * (e_sharded if stage_z >= 2 else e_params)
                         + (ADAM_MOMENT_BYTES + main) * (e_sharded if stage_z >= 1 else e_params))
         row = {
@@ -324,12 +329,12 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
             "layers": mine,
             "parameters": params + e_params,
             "zero_stage": stage_z,
-            "weights_bytes": w * ((sharded + e_sharded) if stage_z >= 3 else (params + e_params)),
+            "weights_bytes": w * (sharded if stage_z >= 3 else params) + w * e_params,
             "gradients_bytes": GRADIENT_BYTES * ((sharded + e_sharded) if stage_z >= 2 else (params + e_params)),
             "optimizer_bytes": (ADAM_MOMENT_BYTES + main) * ((sharded + e_sharded) if stage_z >= 1
                                                              else (params + e_params)),
             "activations_bytes": activations,
-            "gathered_bytes": gathered_bytes(model, training, tp, params + e_params),
+            "gathered_bytes": gathered_bytes(model, training, tp, params),
             "communicator_bytes": communicator_bytes,
             "microbatches_in_flight": flying,
         }
