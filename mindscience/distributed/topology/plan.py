@@ -121,7 +121,10 @@ def build_plan(
         signature = layout.signature(key)
         if signature not in by_signature:
             key_groups = layout.groups(key)
-            crosses = [i for i, g in enumerate(key_groups) if layout.crosses_nodes(g)] \
+            # Members come in ascending rank order, so a group spans nodes exactly when its
+            # first and last rank sit on different ones.
+            dpn = layout.devices_per_node
+            crosses = [i for i, g in enumerate(key_groups) if g[0] // dpn != g[-1] // dpn] \
                 if layout.num_nodes > 1 and signature else []
             by_signature[signature] = (key_groups, crosses)
         groups[key], crossing[key] = by_signature[signature]
