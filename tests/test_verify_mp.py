@@ -56,6 +56,9 @@ def test_default_layout_passes(tmp_path):
     rows = {(r["check"], r["group"], r["mode"], r.get("split")): r for r in report["correctness"]}
     for key in ("tp", "cp", "dp", "pp", "dp-cp"):
         assert rows[("layout.groups", key, "pynative", None)]["passed"]
+    # The expert groups too (ep 1, etp = tp here: the dense groups under their expert names).
+    for key in ("ep", "etp", "edp", "etp-ep"):
+        assert rows[("layout.groups", key, "pynative", None)]["passed"]
     mappings = {c for c, *_ in rows if c.startswith("mapping.")}
     assert len(mappings) >= 9
     # Default modes: every mapping in PyNative and under ms.jit, exact on small integers.
@@ -76,6 +79,7 @@ def test_default_layout_passes(tmp_path):
     bandwidth = report["bandwidth"]
     assert {r["op"] for r in bandwidth} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     assert {r["group"] for r in bandwidth} == {"tp", "cp=dp-cp", "world"}
+    assert {r["mode"] for r in bandwidth} == {"pynative"}  # compiled rows: the expert all-to-all only
     for row in bandwidth:
         assert row["wrong"] == 0 and row["time_us"] > 0 and row["busbw_gbps"] > 0
         assert row["composed"] == (row["op"] in ("reduce_scatter", "all_to_all"))
