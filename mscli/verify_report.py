@@ -135,6 +135,7 @@ def build_spec(
             if compiled:
                 checks.append({"name": "layers.modes", "params": {"modes": compiled}})
         checks.extend(parallel_layer_checks(layout, dtype, modes))
+        checks.extend(moe_checks(layout, modes))
         if layout.pp > 1:
             checks.extend(pipeline_checks(dtype, modes))
     if BANDWIDTH in kinds:
@@ -194,6 +195,22 @@ def parallel_layer_checks(layout: Layout, dtype: str, modes) -> list:
                                                                    "dtypes": [dtype]}})
         checks.append({"name": "attention.errors", "params": {}})
     return checks
+
+
+def moe_checks(layout: Layout, modes) -> list:
+    """The ``moe`` family on a layout with ep > 1 (PyNative and jit; GRAPH_MODE runs as
+    jit): the uneven all-to-all over ep and the dispatch round trip, and the MoE layer
+    (forward, backward, expert gradients reduced over edp) against the one-rank layer,
+    dropless and with a capacity factor."""
+    if getattr(layout, "ep", 1) <= 1:
+        return []
+    moe_modes = [m for m in ("pynative", "jit") if m in modes or (m == "jit" and "graph" in modes)]
+    return [
+        {"name": "moe.dispatch", "params": {"modes": moe_modes}},
+        {"name": "moe.layer", "params": {"modes": moe_modes, "cases": [
+            {"name": "dropless", "aux_loss_coeff": 0.01, "z_loss_coeff": 0.001},
+            {"name": "capacity", "capacity_factor": 1.0, "modes": ["pynative"]}]}},
+    ]
 
 
 def pipeline_checks(dtype: str, modes) -> list:

@@ -11,7 +11,7 @@ import importlib
 
 _SUBMODULES = ("topology", "group", "manager", "collectives", "mappings", "modules", "finalize",
                "harness", "sharding", "checkpoint", "p2p", "pipeline", "random",
-               "optimizer", "fsdp", "parallelize", "models", "training")
+               "optimizer", "fsdp", "parallelize", "models", "training", "moe")
 
 # Names re-exported at the package level (upstream exports initialize_parallel here),
 # each loaded from its module on first access.
@@ -31,6 +31,9 @@ _EXPORTS = {
     "DistributedOptimizer": "optimizer",
     "fully_shard": "fsdp",
     "parallelize_module": "parallelize",
+    "MoELayer": "moe",
+    "MoEConfig": "moe",
+    "TopKRouter": "moe",
 }
 
 __all__ = list(_SUBMODULES) + list(_EXPORTS)

@@ -151,11 +151,17 @@ def _rel(a, b) -> float:
 
 
 # ------------------------------------------------------------------ moe.layer
-def _config(case: dict):
+def _config(case: dict, ep: int = 1, etp: int = 1):
+    """The case's config on top of :data:`SMALL`, grown to fit ep and etp (any layout)."""
     from mindscience.distributed.moe import MoEConfig
 
     opts = {k: v for k, v in case.items() if k not in ("name", "mode", "modes", "no_tokens", "seq", "batch")}
-    return MoEConfig(**{**SMALL, **opts})
+    base = dict(SMALL)
+    if base["num_experts"] % ep:
+        base["num_experts"] = 2 * ep
+    if base["ffn_hidden_size"] % etp:
+        base["ffn_hidden_size"] = 2 * etp
+    return MoEConfig(**{**base, **opts})
 
 
 def _layer_case(manager, case, modes, seq, batch, tol, seed):
@@ -165,8 +171,8 @@ def _layer_case(manager, case, modes, seq, batch, tol, seed):
     from mindscience.distributed.mappings import even_split_sizes, split_offsets
     from mindscience.distributed.moe import MoELayer
 
-    cfg = _config(case)
     lay = manager.get_layout()
+    cfg = _config(case, getattr(lay, "ep", 1), getattr(lay, "etp", 1))
     dp, cp, tp = lay.dp, lay.cp, lay.tp
     D = dp * cp
     dp_rank = manager.get_data_parallel_rank()
