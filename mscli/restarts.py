@@ -257,8 +257,15 @@ def _run(*, layout, workload, opts, plan, launch, build_spec, check_model, max_r
             present, waited = current_nodes, 0.0
             if rendezvous is not None:
                 if cluster and my_node != 0:
+                    from mindscience.distributed.harness.rendezvous import RendezvousError
+
                     rendezvous.check_in(attempt + 1, my_node, {"reason": failure["reason"]})
-                    decision = rendezvous.await_decision(attempt + 1)
+                    try:
+                        decision = rendezvous.await_decision(attempt + 1)
+                    except RendezvousError as err:
+                        out["failure"] = f"{failure['reason']}; {err}"
+                        earlier.extend(rows)
+                        return out
                 else:
                     for node in current_nodes:
                         if node == my_node or (not cluster and node not in gone):

@@ -68,13 +68,17 @@ def build_options(workload, layout, *, steps=10, micro_batch_size=None, global_b
     return opts
 
 
-def check_fault_flags(max_restarts: int, rejoin_timeout: float, save) -> None:
+def check_fault_flags(max_restarts: int, rejoin_timeout: float, save, nodes=None) -> None:
     """``--max-restarts`` and ``--rejoin-timeout`` in range (a restart without ``--save``
-    starts again from step 0: allowed, and said in the docs)."""
+    starts again from step 0: allowed on one machine); several nodes agree on a restart
+    through ``DIR/.rendezvous``, so they need ``--save``."""
     if max_restarts < 0:
         raise UsageError(f"--max-restarts {max_restarts} is invalid: expected 0 (no restart) or more.")
     if not rejoin_timeout > 0:
         raise UsageError(f"--rejoin-timeout {rejoin_timeout} is invalid: expected a positive number of seconds.")
+    if max_restarts and nodes and nodes > 1 and not save:
+        raise UsageError(f"--max-restarts {max_restarts} on {nodes} nodes needs --save DIR on a folder every node "
+                         "sees: the nodes agree on a restart through DIR/.rendezvous.")
 
 
 def check_fault_switch(layout, opts, resume_info) -> None:
@@ -275,7 +279,7 @@ def train(
         check_format(fmt)
         if timeout <= 0:
             raise UsageError(f"--timeout {timeout} is invalid: expected a positive number of seconds.")
-        check_fault_flags(max_restarts, rejoin_timeout, save)
+        check_fault_flags(max_restarts, rejoin_timeout, save, nodes)
         if output:
             check_output_file("--output", output)
         spec_layout, path, sections = load_with_sections(layout)

@@ -68,7 +68,8 @@ def setup(ctx: CheckContext, model: dict, training: dict, options: dict, resume:
     trainer.install_stop_handler()
     ctx.scratch[KEY] = trainer
     return {"check": "train.setup", "group": "train", "passed": True, "resumed": resumed,
-            "first_step": trainer.first_step, "microbatches": trainer.num_microbatches, "started_at": started_at,
+            "first_step": trainer.first_step, "microbatches": trainer.num_microbatches,
+            "started_at": started_at, "ready_at": time.time(),
             "memory": trainer.memory_bytes()}
 
 
