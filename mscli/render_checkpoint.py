@@ -53,8 +53,11 @@ def _sharding(s: dict) -> str:
 def _layout(lay) -> str:
     if not lay:
         return "?"
+    experts = ""
+    if (lay.get("ep") or 1) > 1 or (lay.get("etp") is not None and lay.get("etp") != lay.get("tp", 1)):
+        experts = f"; experts ep{lay.get('ep') or 1} x etp{lay.get('etp', lay.get('tp', 1))}"
     return (f"tp{lay.get('tp', 1)} x cp{lay.get('cp', 1)} x dp{lay.get('dp', 1)} x "
-            f"pp{lay.get('pp', 1)} ({lay.get('world_size')} ranks, {lay.get('order')})")
+            f"pp{lay.get('pp', 1)}{experts} ({lay.get('world_size')} ranks, {lay.get('order')})")
 
 
 def render_inspect(data: dict, fmt: str, show_all: bool = False) -> None:

@@ -51,7 +51,7 @@ def spec() -> dict:
                     _case("dropless_aux_jit", "jit", **AUX),
                     # capacity 1.0 of top-2 over 4 experts drops assignments; no aux loss,
                     # the dense model in micro-batches of the same rows
-                    _case("capacity", microbatches=2, same_microbatches=True, **NO_AUX,
+                    _case("capacity", same_microbatches=True, **NO_AUX,
                           moe_expert_capacity_factor=1.0)),
             _parity({"ep": 2}, _case("shared_experts", moe_shared_expert_intermediate_size=16, **AUX)),
             _parity({"tp": 2, "ep": 2, "etp": 1}, _case("tp2_etp1", **AUX)),

@@ -86,6 +86,51 @@ def test_moe_block_aux_gradient_and_statistics():
     assert not any(n.endswith(("mlp.tokens", "mlp.calls", "mlp.aux_sum", "mlp.aux_scale")) for n in names)
 
 
+def test_checkpoint_of_a_moe_trainer_round_trips_in_one_process(tmp_path):
+    """Weights, AdamW moments (named after their expert), the main weights (derived: float32)
+    and the expert bias come back; the statistics buffers are not saved."""
+    from mindscience.distributed.checkpoint import offline
+    from mindscience.distributed.training.loop import Trainer
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    opts = mc.options(steps=1, zero_stage=1, micro_batch_size=mc.GLOBAL_BATCH, global_batch_size=mc.GLOBAL_BATCH)
+    first = Trainer(*mc.train_specs(), opts)
+    first.train_step(0)
+    first.save(str(tmp_path / "ckpt"), 1)
+    names = {p["name"] for p in offline.inspect(str(tmp_path / "ckpt"))["parameters"]}
+    assert {"0.layers.1.mlp.moe.experts.3.w1", "0.layers.1.mlp.moe.router.expert_bias"} <= names
+    assert any(n.endswith("layers.1.mlp.moe.experts.3.w1.exp_avg") for n in names)  # after its expert
+    assert not any("experts.w1" in n or n.endswith((".tokens", ".calls", ".aux_sum")) for n in names)
+    second = Trainer(*mc.train_specs(), opts)
+    assert second.resume(str(tmp_path / "ckpt"))["step"] == 1
+    bias = first.model.moe_blocks[1].moe.router.expert_bias.asnumpy()
+    assert np.abs(bias).max() > 0  # moved by the step (enable_expert_bias)
+    from mindscience.distributed.checkpoint import named_parameters
+
+    # every tensor of the model and optimizer, main weights included (not saved: derived)
+    want = {n: p.asnumpy() for n, p, _ in named_parameters(first.checkpoint_cell)}
+    got = {n: p.asnumpy() for n, p, _ in named_parameters(second.checkpoint_cell)}
+    assert sorted(got) == sorted(want) and any(n.endswith("experts.w1.main") for n in got)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    np.testing.assert_array_equal(second.model.moe_blocks[1].moe.router.expert_bias.asnumpy(), bias)
+
+
+def test_another_expert_count_is_one_typed_error(tmp_path):
+    from mindscience.distributed.checkpoint import CheckpointExpertCountError
+    from mindscience.distributed.training.loop import Trainer
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    opts = mc.options(steps=1, micro_batch_size=mc.GLOBAL_BATCH, global_batch_size=mc.GLOBAL_BATCH)
+    Trainer(*mc.train_specs(), opts).save(str(tmp_path / "ckpt"), 0)
+    other = Trainer(*mc.train_specs(num_moe_experts=8), opts)
+    before = other.model.moe_blocks[0].moe.experts.w1.asnumpy()
+    with pytest.raises(CheckpointExpertCountError, match=r"holds 4 experts, this model 8 \(num_moe_experts\).*"
+                                                         r"num_moe_experts=4"):
+        other.resume(str(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(other.model.moe_blocks[0].moe.experts.w1.asnumpy(), before)  # untouched
+
+
 def test_moe_layers_follow_moe_layer_freq():
     from mindscience.distributed.models import GPTModel
     from mindscience.distributed.models.layers import MLP, MoEBlock
@@ -199,4 +244,4 @@ def test_checkpoint_ep4_reshard_ep2_etp2_resume_equals_uninterrupted(result, one
                          for row in rows], one_rank[3:], "one rank")
     # another expert count: one typed error naming both counts and the fix
     with pytest.raises(CheckpointExpertCountError, match=r"holds 4 experts, this model 8.*num_moe_experts=4"):
-        _one_rank_run(resume=saved, num_moe_experts=8)
+        _one_rank_run(steps=4, resume=saved, num_moe_experts=8)

@@ -282,12 +282,13 @@ def _gather_numpy(param) -> np.ndarray:
     return param.asnumpy()
 
 
-def _expert_parts(name: str, local, sharding: dict, layout: Layout, rank: int) -> list:
+def _expert_parts(name: str, local, sharding: dict, layout: Layout, rank: int, base=None) -> list:
     """``[(checkpoint name, global expert index, sharding, global shape, piece)]`` of the
-    local experts of an expert parameter of (unsharded) local shape ``local``."""
+    local experts of an expert parameter (or of its optimizer state: ``base``) of
+    (unsharded) local shape ``local``."""
     count = int(local[0]) * int(getattr(layout, "ep", 1) or 1)
     parts = []
-    for k, ename in expert_entries(name, int(local[0]), layout, rank):
+    for k, ename in expert_entries(name, int(local[0]), layout, rank, base):
         esh = expert_sharding(sharding, k, count)
         gshape = global_shape_from_local(ename, tuple(local[1:]), esh, layout)
         parts.append((ename, k, esh, gshape, piece_for(ename, gshape, esh, layout, rank)))
@@ -378,7 +379,7 @@ def _stage(cell, directory, step, extra, copy: bool) -> dict:
             sharded = info is not None and info.sharded
             local = info.full_shape if sharded else tuple(param.shape)
             if expert:  # one entry per global expert (see .plan)
-                parts = _expert_parts(name, local, sharding, layout, rank)
+                parts = _expert_parts(name, local, sharding, layout, rank, base)
                 mine = writes(layout, rank, parts[0][2]["axis"], parts[0][2]["expert"])
                 if sharded:
                     shards.append((len(items) if mine else None, info, param))
@@ -606,15 +607,29 @@ def agree_written(pending: PendingSave) -> None:
     _agree(layout, rank, error, pending.directory, "writing in the background")
 
 
-def _saved_expert_count(reader, name: str):
+def _saved_expert_count(reader, name: str, base=None):
     """The expert count the checkpoint holds for the expert parameter ``name`` (None: none)."""
-    entry = reader.params.get(expert_name(name, 0))
+    entry = reader.params.get(expert_name(name, 0, base))
     if entry is None:
         return None
     return int((entry["sharding"].get("expert") or {}).get("count") or 0) or None
 
 
-def _read_experts(reader, name, param, sharding, info, layout, rank, strict):
+def _check_expert_count(reader, name, param, info, layout, base=None) -> None:
+    """Raise :class:`CheckpointExpertCountError` when the checkpoint holds another number of
+    experts for the expert parameter ``name`` than this model (nothing when it lacks it)."""
+    sharded = info is not None and info.sharded
+    count = tuple(info.full_shape if sharded else param.shape)[0] * int(getattr(layout, "ep", 1) or 1)
+    saved = _saved_expert_count(reader, name, base)
+    if saved is not None and saved != count:
+        raise CheckpointExpertCountError(
+            f"parameter {name!r}: the checkpoint {reader.directory} holds {saved} experts, this "
+            f"model {count} (num_moe_experts): expert weights are not re-cut to another expert "
+            f"count. Build the model with num_moe_experts={saved} to load it (any ep dividing "
+            f"{saved} works), or start from another checkpoint.")
+
+
+def _read_experts(reader, name, param, sharding, info, layout, rank, strict, base=None):
     """``(checkpoint names, local array, dtype tag)`` of this rank's experts of the expert
     parameter ``name`` (stacked on dim 0, then this rank's ZeRO rows), or None when the
     checkpoint lacks it and ``strict`` is off.
@@ -626,21 +641,16 @@ def _read_experts(reader, name, param, sharding, info, layout, rank, strict):
     sharded = info is not None and info.sharded
     have = tuple(info.full_shape if sharded else param.shape)
     count = have[0] * int(getattr(layout, "ep", 1) or 1)
-    saved = _saved_expert_count(reader, name)
+    saved = _saved_expert_count(reader, name, base)
     if saved is None:
         if strict:
             raise CheckpointError(f"expert parameter {name!r} of the model is missing from the "
-                                  f"checkpoint {reader.directory} (no {expert_name(name, 0)!r}; "
+                                  f"checkpoint {reader.directory} (no {expert_name(name, 0, base)!r}; "
                                   "strict=True).")
         return None
-    if saved != count:
-        raise CheckpointExpertCountError(
-            f"parameter {name!r}: the checkpoint {reader.directory} holds {saved} experts, this "
-            f"model {count} (num_moe_experts): expert weights are not re-cut to another expert "
-            f"count. Build the model with num_moe_experts={saved} to load it (any ep dividing "
-            f"{saved} works), or start from another checkpoint.")
+    _check_expert_count(reader, name, param, info, layout, base)
     arrays, names, dtype = [], [], None
-    for k, ename in expert_entries(name, have[0], layout, rank):
+    for k, ename in expert_entries(name, have[0], layout, rank, base):
         entry = reader.params.get(ename)
         if entry is None:
             raise CheckpointError(f"expert {k} of {name!r} ({ename!r}) is missing from the "
@@ -698,11 +708,20 @@ def load(cell, directory, *, strict: bool = True) -> dict:
         zero.check_records(reader.manifest.get("optimizers"), _optimizer_records(cell, records),
                            directory)
         derived = []  # main weights the checkpoint lacks: set from the loaded weights
-        for name, param, sharding, _, _, expert in _entries(cell):
+        entries = _entries(cell)
+        # Another expert count first: the router's shape differs too, but this is the fix.
+        for name, param, _, base, _, expert in entries:
+            if expert:
+                _check_expert_count(reader, name, param, infos.get(id(param)), layout, base)
+        for name, param, sharding, base, _, expert in entries:
             info = infos.get(id(param))
             sharded = info is not None and info.sharded
             if expert:
-                got = _read_experts(reader, name, param, sharding, info, layout, rank, strict)
+                if (info is not None and info.role == "main"
+                        and _saved_expert_count(reader, name, base) is None):
+                    derived.append((param, name, info))  # a float32 main weight: not saved
+                    continue
+                got = _read_experts(reader, name, param, sharding, info, layout, rank, strict, base)
                 if got is not None:
                     names, array, dtype = got
                     values.append((param, names, _to_tensor(array, dtype, param)))

@@ -90,12 +90,33 @@ def _coords(layout: Layout, rank: int, axis=None) -> dict:
 # expert.
 
 
-def expert_name(name: str, index: int) -> str:
-    """The checkpoint name of global expert ``index`` of the expert parameter ``name``.
+def _component_at(name: str, tail: str) -> int:
+    """Where ``tail`` occurs in ``name`` as whole dot-separated components (last one), or -1."""
+    pos = name.rfind(tail)
+    while pos >= 0:
+        end = pos + len(tail)
+        if (pos == 0 or name[pos - 1] == ".") and (end == len(name) or name[end] == "."):
+            return pos
+        pos = name.rfind(tail, 0, pos)
+    return -1
+
+
+def expert_name(name: str, index: int, base: str | None = None) -> str:
+    """The checkpoint name of global expert ``index`` of the expert parameter ``name``; for
+    an optimizer state, ``base`` (its parameter's name) says where the index goes.
 
         >>> expert_name("0.layers.1.mlp.experts.w1", 3)
         '0.layers.1.mlp.experts.3.w1'
+        >>> expert_name("1.layers.1.mlp.experts.w1.exp_avg", 3, base="0.layers.1.mlp.experts.w1")
+        '1.layers.1.mlp.experts.3.w1.exp_avg'
     """
+    if base and base != name:
+        parts = base.split(".")
+        for i in range(len(parts) - 1):
+            tail = ".".join(parts[i:])
+            pos = _component_at(name, tail)
+            if pos >= 0:
+                return name[:pos] + expert_name(tail, index) + name[pos + len(tail):]
     head, _, last = name.rpartition(".")
     return f"{head}.{int(index)}.{last}" if head else f"{int(index)}.{last}"
 
@@ -127,10 +148,11 @@ def check_experts(name: str, count: int, layout: Layout) -> int:
     return count // ep
 
 
-def expert_entries(name: str, local_count: int, layout: Layout, rank: int) -> list:
-    """``[(global expert index, checkpoint name)]`` of the ``local_count`` experts ``rank`` holds."""
+def expert_entries(name: str, local_count: int, layout: Layout, rank: int, base: str | None = None) -> list:
+    """``[(global expert index, checkpoint name)]`` of the ``local_count`` experts ``rank``
+    holds (``base``: an optimizer state's parameter, see :func:`expert_name`)."""
     first = layout.expert_coords(rank)["ep"] * int(local_count)
-    return [(first + j, expert_name(name, first + j)) for j in range(int(local_count))]
+    return [(first + j, expert_name(name, first + j, base)) for j in range(int(local_count))]
 
 
 def check_splittable(name: str, global_shape, sharding: dict, layout: Layout) -> None:
