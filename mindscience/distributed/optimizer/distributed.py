@@ -361,6 +361,23 @@ class DistributedOptimizer(nn.Cell):
             n += self.expert_optimizer.state_elements()
         return n
 
+    def tensors_of(self, param) -> list:
+        """``param`` and what this optimizer (or its ``expert_optimizer``, for an MoE expert
+        weight) holds for it: its fp32 main weight (if any) and its moments, in order.
+
+        Raises:
+            DistributedOptimizerError: ``param`` is not one of the optimizer's parameters.
+        """
+        for k, p in enumerate(self.model_params):
+            if p is param:
+                return ([param] + ([self.mains[k]] if len(self.mains) else [])
+                        + [m[k] for m in self.moments])
+        if self.expert_optimizer is not None:
+            return self.expert_optimizer.tensors_of(param)
+        raise DistributedOptimizerError(
+            f"DistributedOptimizer.tensors_of: {getattr(param, 'name', param)!r} is not one of "
+            "the parameters this optimizer was built with.")
+
     # ------------------------------------------------------------------ step
     def __call__(self, *args, **kwargs):
         # PyNative: check the gradients with the typed error before any collective.
