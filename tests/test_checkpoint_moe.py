@@ -103,3 +103,32 @@ def test_reshard_ep4_to_ep2_etp2_and_one_rank(tmp_path):
     np.testing.assert_array_equal(dense["layers.1.mlp.router.weight"], arrays["layers.1.mlp.router.weight"])
     with pytest.raises(CheckpointError, match=r"not divisible by ep=3"):
         offline.reshard(str(src), str(tmp_path / "bad"), Layout(world_size=3, dp=3, ep=3))
+
+
+def test_cli_reshard_to_an_expert_layout_and_inspect(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from mscli.main import app
+
+    arrays, shardings, w1, _ = _experts(seed=1)
+    src = tmp_path / "ep4"
+    save_arrays(str(src), arrays, Layout(world_size=4, dp=4, ep=4), shardings, step=1)
+    to = tmp_path / "ep2etp2.yaml"
+    to.write_text("world_size: 4\ntp: 2\nep: 2\netp: 2\nbackend: cpu\n")
+    runner = CliRunner()
+    out = tmp_path / "out"
+    done = runner.invoke(app, ["checkpoint", "reshard", str(src), str(out), "--to", str(to)])
+    assert done.exit_code == 0, done.output
+    assert "experts ep2 x etp2" in " ".join(done.output.split())
+    info = json.loads(runner.invoke(app, ["checkpoint", "inspect", str(out), "--format", "json"]).stdout)
+    assert info["ok"] and (info["layout"]["ep"], info["layout"]["etp"]) == (2, 2)
+    shards = {p["name"]: p["shards"] for p in info["parameters"]}
+    assert shards[expert_name("layers.1.mlp.experts.w1", 0)] == 2  # etp halves
+    assert shards["layers.1.mlp.router.weight"] == 1
+    # a layout whose ep does not divide the 8 experts: exit 2, one line naming both
+    bad = tmp_path / "ep3.yaml"
+    bad.write_text("world_size: 3\nep: 3\nbackend: cpu\n")
+    refused = runner.invoke(app, ["checkpoint", "reshard", str(src), str(tmp_path / "no"), "--to", str(bad)])
+    assert refused.exit_code == 2 and "not divisible by ep=3" in refused.stderr
