@@ -129,6 +129,18 @@ def test_another_expert_count_is_one_typed_error(tmp_path):
                                                          r"num_moe_experts=4"):
         other.resume(str(tmp_path / "ckpt"))
     np.testing.assert_array_equal(other.model.moe_blocks[0].moe.experts.w1.asnumpy(), before)  # untouched
+    # msdist train --resume checks it before any rank starts (and takes the expert optimizer's state)
+    from dataclasses import replace
+
+    from mindscience.distributed.costmodel.spec import Workload
+    from mscli.commands.train import check_resume
+    from mscli.errors import UsageError
+
+    model, training = mc.train_specs()
+    assert check_resume(str(tmp_path / "ckpt"), Workload(model=model, training=training), opts)["step"] == 0
+    with pytest.raises(UsageError, match="model.num_moe_experts is 4 in the checkpoint, 8 here"):
+        check_resume(str(tmp_path / "ckpt"), Workload(model=replace(model, num_moe_experts=8), training=training),
+                     opts)
 
 
 def test_moe_layers_follow_moe_layer_freq():
