@@ -338,9 +338,7 @@ class Trainer:
     def optimizer_tensors(self, param) -> list:
         """``param`` and what the optimizer holds for it: its fp32 main weight (if any) and
         its moments, in the optimizer's order (the same on every rank)."""
-        opt = self.optimizer
-        i = next(k for k, p in enumerate(opt.model_params) if p is param)
-        return [param] + ([opt.mains[i]] if len(opt.mains) else []) + [m[i] for m in opt.moments]
+        return self.optimizer.tensors_of(param)  # an expert weight's: in the expert optimizer
 
     def _sync_tied_copy(self) -> None:
         """At pp > 1 with tied embeddings, the last stage's output layer (its weight, main
