@@ -84,8 +84,9 @@ def color_axis(plan: dict, color_by: str | None = None) -> str:
         if color_by not in plan["groups"]:
             raise UsageError(f"--color-by {color_by!r} is invalid: expected one of {', '.join(plan['groups'])}.")
         return color_by
+    sizes = {**plan.get("expert_sizes", {}), **plan["sizes"]}  # the order may name ep
     for axis in plan["order"].split("-"):
-        if plan["sizes"][axis] > 1:
+        if sizes.get(axis, 1) > 1:
             return axis
     return "tp"
 

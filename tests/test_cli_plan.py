@@ -292,3 +292,18 @@ def test_cpu_expert_layout_and_layouts_listing():
     rows = {r["name"]: r for r in json.loads(invoke("layouts", "--format", "json").stdout)}
     assert (rows["cpu-4-ep2"]["ep"], rows["cpu-4-ep2"]["etp"]) == (2, 1)
     assert (rows["cpu-4"]["ep"], rows["cpu-4"]["etp"]) == (1, 2)
+
+
+def test_picture_grid_colours_by_expert_groups(tmp_path):
+    from mscli import pictures
+
+    # tp = cp = 1: ep is the innermost axis larger than 1, so the grid is coloured by it.
+    data = json.loads(invoke("plan", write(tmp_path, "world_size: 8\npp: 2\nep: 4\n"), "--format", "json").stdout)
+    assert data["order"] == "tp-cp-ep-dp-pp" and pictures.color_axis(data) == "ep"
+    grid = pictures.grid_cells(data, "edp")
+    assert grid["axis"] == "edp"
+    # edp = 8 / (1*4*2) = 1: every rank its own expert-data group.
+    assert [grid["cells"][(0, r)]["group"] for r in range(8)] == list(range(8))
+    ep = pictures.grid_cells(data)
+    assert [ep["cells"][(0, r)]["group"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [ep["cells"][(0, r)]["stage"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
