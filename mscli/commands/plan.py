@@ -243,7 +243,7 @@ def plan(
     rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Show only this rank and its groups."),
     fmt: str = typer.Option("rich", "--format", "-f", help="rich (tables) or json (stdout holds only JSON)."),
     groups: Optional[str] = typer.Option(
-        None, "--groups", "-g", help="Extra axis combinations, comma-separated, e.g. tp-cp,tp-dp-cp."
+        None, "--groups", "-g", help="Extra axis combinations, comma-separated, e.g. tp-cp,tp-dp-cp or edp-ep (expert axes: etp, ep, edp)."
     ),
     show_all: bool = typer.Option(False, "--all", help="Print every rank and group, even for large worlds."),
     svg: Optional[str] = typer.Option(
@@ -251,8 +251,8 @@ def plan(
     ),
     png: Optional[str] = typer.Option(None, "--png", help="The same picture as --svg, to FILE.png."),
     color_by: Optional[str] = typer.Option(
-        None, "--color-by", help="Colour the grid's devices by their group on tp, cp, dp or pp "
-        "(default: the innermost axis larger than 1)."
+        None, "--color-by", help="Colour the grid's devices by their group on tp, cp, dp, pp or a listed group such as ep, "
+        "edp or etp-ep (default: the innermost axis larger than 1)."
     ),
     svg_table: Optional[str] = typer.Option(None, "--svg-table", help="Also save the terminal tables to FILE.svg."),
     hccl_buffsize_mb: Optional[int] = typer.Option(
