@@ -48,7 +48,6 @@ def _manager_group(getter: str, key: str) -> ParallelGroup:
         fn = getattr(manager, getter, None)
         if fn is not None:
             return fn()
-        # A manager without the expert axes: ep = etp = 1 (pass the groups explicitly).
     return ParallelGroup.trivial(key)
 
 
@@ -77,7 +76,7 @@ def expert_groups(ep_group=None, etp_group=None, tp_group=None, dp_cp_group=None
     else:
         from .. import manager
 
-        if manager.is_initialized() and hasattr(manager, "get_expert_model_parallel_group"):
+        if manager.is_initialized():
             groups["etp-ep"] = manager.get_group("etp-ep")
         else:
             groups["etp-ep"] = ParallelGroup.trivial("etp-ep")
