@@ -242,7 +242,7 @@ def setup_gpt(ctx):
 
     cfg = TransformerConfig.from_model_spec("tiny-llama")
     rng = np.random.default_rng(7)
-    rows = 4  # num_microbatches=4 micro-batches of 1 sequence
+    rows = 2  # num_microbatches=2 micro-batches of 1 sequence
     return {"input_ids": ms.Tensor(rng.integers(0, cfg.vocab_size, (rows, cfg.seq_length)).astype(np.int32)),
             "labels": ms.Tensor(rng.integers(0, cfg.vocab_size, (rows, cfg.seq_length)).astype(np.int32))}
 
