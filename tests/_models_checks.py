@@ -92,6 +92,11 @@ def _case(manager, case: dict, seed: int) -> dict:
     model = GPTModel(cfg, seed=seed)
     loss, grads = model.forward_backward(ids[mine], labels[mine], num_microbatches=m,
                                          schedule=case.get("schedule"), mode=mode)
+    what_runs = None
+    if manager.get_pipeline_parallel_group().size > 1:
+        from mindscience.distributed.pipeline import runtime as pipeline_runtime
+
+        what_runs = pipeline_runtime.last_recompute()[0]  # kept stage forwards or "full"
     params = model.trainable_params()
     grads = GradientFinalizer(params)(tuple(grads))
     loss = float(C.all_reduce(loss, dp).asnumpy()) / dp.size
@@ -116,6 +121,7 @@ def _case(manager, case: dict, seed: int) -> dict:
     return {
         "check": "models.parity", "group": "world", "case": case["name"], "mode": mode,
         "preset": case["preset"], "microbatches": m, "schedule": case.get("schedule"),
+        "recompute": cfg.recompute, "what_runs": what_runs,
         "stage_layers": cfg.stage_layers(manager.get_pipeline_parallel_group().size),
         "layer_indices": list(model.layer_indices),
         "loss": loss, "dense_loss": float(dense_loss.asnumpy()), "loss_rel_err": loss_err,

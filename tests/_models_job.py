@@ -50,9 +50,11 @@ SPEC = {
         # tp2 x pp2: 1F1B, untied head (SwiGLU, RMSNorm, RoPE, GQA)
         _parity({"tp": 2, "pp": 2},
                 _case("1f1b_tp", LLAMA, "jit", microbatches=2, num_layers=4)),
-        # pp2 x dp2: interleaved (v = 2) with the tied embedding; 5 layers cut 2 + 3
+        # pp2 x dp2: interleaved (v = 2) with the tied embedding and selective recompute
+        # (the attention cores recomputed inside kept stage forwards); 5 layers cut 2 + 3
         _parity({"tp": 1, "pp": 2},
-                _case("interleaved", GPT, microbatches=2, num_layers=4, virtual_pipeline_stages=2),
+                _case("interleaved", GPT, microbatches=2, num_layers=4, virtual_pipeline_stages=2,
+                      recompute="selective"),
                 _case("unequal", GPT, "jit", microbatches=2, num_layers=5, first_stage_layers=2)),
         # tp2 x dp2, sequence parallel, full recompute
         _parity({"tp": 2},
@@ -64,14 +66,16 @@ SPEC = {
 
 
 # tp2 x pp2 (1F1B) x dp2, the tied embedding (its gradient summed over the embedding group,
-# then averaged over dp): PyNative (ms.jit meets the pipeline in the 4-rank 1f1b_tp case).
+# then averaged over dp): PyNative (ms.jit meets the pipeline in the 4-rank 1f1b_tp case),
+# full recompute (each layer recomputed inside the kept stage forwards).
 WORLD_SIZE_8 = 8
 TIMEOUT_8_S = 300
 SPEC_8 = {
     "modules": ["_models_checks"],
     "layout": {"world_size": WORLD_SIZE_8},
     "checks": [_parity({"tp": 2, "pp": 2},
-                       _case("1f1b_tp_dp", GPT, microbatches=2, schedule="1f1b"))],
+                       _case("1f1b_tp_dp", GPT, microbatches=2, schedule="1f1b",
+                             recompute="full"))],
 }
 
 _jobs.register("models", SPEC, world_size=WORLD_SIZE, timeout=TIMEOUT_S,

@@ -531,6 +531,21 @@ def test_pipeline_ranks_hold_the_layers_of_their_stages(job):
     assert layers["ring"] == {(0, 1)}
 
 
+# What the pipeline runtime ran: kept stage forwards (the model's recompute inside them), or
+# "full" where runtime_recompute says it cannot keep (jit with tp > 1).
+PIPELINE_RUNS = {"1f1b_tp": "full", "interleaved": "selective", "unequal": "none"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(PIPELINE_RUNS))
+def test_pipeline_keeps_the_stage_forwards(job, case):
+    recs = [r for r in _records(job, "models.parity") if r["case"] == case]
+    assert len(recs) == 4
+    for r in recs:
+        assert r["what_runs"] == PIPELINE_RUNS[case], r
+        assert r["passed"], r
+
+
 @pytest.mark.multiprocess
 def test_bad_configs_raise_on_every_rank_before_any_collective(job):
     recs = _records(job, "models.errors")
@@ -579,5 +594,7 @@ def test_8ranks_tp2_pp2_dp2_matches_the_dense_model():
         assert r["max_weight_err"] == 0.0 and r["passed"]
         assert abs(r["loss"] - math.log(64)) < 0.5
     assert {tuple(r["layer_indices"]) for r in recs} == {(0,), (1,)}
+    # full recompute: each layer recomputed inside the kept stage forwards (model_request)
+    assert {(r["recompute"], r["what_runs"]) for r in recs} == {("full", "selective")}
     compared = set().union(*(r["compared"] for r in recs))
     assert compared == set(recs[0]["dense_params"])

@@ -38,7 +38,7 @@ def with_layout(ctx, layout, body):
 
     def args_of(lay):
         return dict(tensor_parallel_size=lay.tp, context_parallel_size=lay.cp,
-                    pipeline_parallel_size=lay.pp, order="-".join(lay.axes),
+                    pipeline_parallel_size=lay.pp, order=getattr(lay, "order", "-".join(lay.axes)),
                     expert_model_parallel_size=getattr(lay, "ep", 1),
                     expert_tensor_parallel_size=getattr(lay, "etp", None))
 
