@@ -263,3 +263,21 @@ def test_4ranks_training_every_zero_stage_matches_one_rank(job):
     # Stages 1-3 shard the expert state over edp (2 ranks): less than stage 0's.
     by_stage = {r["stage"]: r["expert_state_elements"] for r in records}
     assert by_stage[1] < by_stage[0] and by_stage[3] == by_stage[2] == by_stage[1]
+
+
+def test_all_to_all_v_checks_its_size_matrix_before_any_collective():
+    import mindspore as ms
+
+    from mindscience.distributed import collectives as C
+    from mindscience.distributed.group import ParallelGroup
+
+    x = ms.Tensor(np.ones((3, 2), np.float32))
+    one = ParallelGroup.trivial("ep")
+    assert (C.all_to_all_v(x, one, [[3]]).asnumpy() == 1).all()  # size 1: the identity
+    with pytest.raises(ValueError, match="must be a 1 x 1 matrix"):
+        C.all_to_all_v(x, one, [3])
+    with pytest.raises(ValueError, match="sends 2 rows .* but x has 3 rows"):
+        C.all_to_all_v(x, one, [[2]])
+    two = ParallelGroup(key="ep", ranks=(0, 1), rank=0, backend_name="never-created")
+    with pytest.raises(ValueError, match="must be a 2 x 2 matrix"):
+        C.all_to_all_v(x, two, [[1, 2], [3, -1]])
