@@ -208,7 +208,7 @@ def options(**kw):
     from mindscience.distributed.training.options import TrainOptions
 
     base = {"steps": 5, "micro_batch_size": MICRO_BATCH, "global_batch_size": GLOBAL_BATCH,
-            "mode": "pynative", "seed": 5, "lr": 1e-2}
+            "mode": "pynative", "seed": 5, "lr": 1e-3}
     return TrainOptions(**{**base, **kw})
 
 
