@@ -59,7 +59,7 @@ def stall(gib: float, directory: str, repeat: int) -> dict:
     for i in range(count):
         setattr(cell, f"w{i}", ms.Parameter(ms.Tensor(np.full((rows, 1024), i, np.float32)), name=f"w{i}"))
     nbytes = count * rows * 1024 * 4
-    sync, copy, background = [], [], []
+    sync, copy, background, buffers = [], [], [], {}
     for k in range(repeat):
         path = os.path.join(directory, f"step_{2 * k}")
         t0 = time.perf_counter()
@@ -68,7 +68,7 @@ def stall(gib: float, directory: str, repeat: int) -> dict:
         shutil.rmtree(path)
         path = os.path.join(directory, f"step_{2 * k + 1}")
         t0 = time.perf_counter()
-        pending = checkpoint.save_async(cell, path, step=2 * k + 1)
+        pending = checkpoint.save_async(cell, path, step=2 * k + 1, host_buffers=buffers)
         copy.append(time.perf_counter() - t0)
         checkpoint.agree_written(pending)
         background.append(pending.written_s)
@@ -112,7 +112,7 @@ def restart(directory: str) -> dict:
              "relaunch_s": setup["started_at"] - record["relaunch_at"],
              "build_and_load_s": setup["ready_at"] - setup["started_at"],
              "load_s": setup["resumed"]["load_s"], "first_step_s": first["at"] - setup["ready_at"]}
-    return {"command": "MSDIST_FAULT=1:3:kill " + " ".join(command[1:]), "wall_s": round(wall, 2),
+    return {"command": "MSDIST_FAULT=1:3:kill msdist " + " ".join(command[1:]), "wall_s": round(wall, 2),
             "death_to_first_step_s": round(first["at"] - died, 3),
             "parts": {k: round(v, 3) for k, v in parts.items()},
             "losses": [s["loss"] for s in report["steps"]], "restart": {k: record[k] for k in

@@ -357,11 +357,24 @@ def _agree(layout: Layout, rank: int, error, directory: str, phase: str) -> None
                           f"while {phase} (see that rank's error); nothing was saved.")
 
 
-def _stage(cell, directory, step, extra, copy: bool) -> dict:
+def _host_copy(name: str, array: np.ndarray, buffers: Optional[dict]) -> np.ndarray:
+    """A copy of ``array`` in host memory, into ``buffers[name]`` when it has the shape and
+    dtype (the previous save's buffer: reusing it spares the page faults of fresh memory)."""
+    buf = None if buffers is None else buffers.get(name)
+    if buf is None or buf.shape != array.shape or buf.dtype != array.dtype:
+        buf = np.empty_like(array, order="C")
+        if buffers is not None:
+            buffers[name] = buf
+    np.copyto(buf, array)
+    return buf
+
+
+def _stage(cell, directory, step, extra, copy: bool, buffers: Optional[dict] = None) -> dict:
     """The collective part of a save, on every rank: check the arguments, create
     ``DIR.partial`` (rank 0), gather the sharded tensors and hold every tensor this rank
-    writes as numpy (``copy``: a copy of its own, so training may go on changing the
-    parameters while it is written). The ranks agree on the outcome of each phase."""
+    writes as numpy (``copy``: a copy of its own, in ``buffers`` when given, so training
+    may go on changing the parameters while it is written). The ranks agree on the
+    outcome of each phase."""
     layout, rank = _world()
     directory = str(directory)
     error, items, meta, shards, records, prefixes = None, [], {}, [], [], []
@@ -403,7 +416,7 @@ def _stage(cell, directory, step, extra, copy: bool) -> dict:
             piece = piece_for(name, gshape, sharding, layout, rank)
             tag, array = _to_numpy(param) if not sharded else (_tag(param), None)
             if copy and array is not None:
-                array = np.array(array, copy=True)  # asnumpy may share the parameter's memory
+                array = _host_copy(name, array, buffers)  # asnumpy shares the parameter's memory
             items.append((name, tag, gshape, sharding, piece, array))
             meta[name] = {"layer": layer_index(base or name, prefixes), "position": position,
                           "base": base}
@@ -534,7 +547,8 @@ def _wait_for_parts(tmp: str, world_size: int, timeout_s: float) -> None:
 
 
 def save_async(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] = None,
-               before_write=None, after_finish=None, timeout_s: float = 3600.0) -> PendingSave:
+               before_write=None, after_finish=None, timeout_s: float = 3600.0,
+               host_buffers: Optional[dict] = None) -> PendingSave:
     """Start a save of ``cell`` (all ranks call it) and return while it is written.
 
     The caller is held for the host copy only: the collectives of :func:`save` (checks,
@@ -556,6 +570,8 @@ def save_async(cell, directory, *, step: Optional[int] = None, extra: Optional[d
         after_finish: Called on rank 0 in the background thread once the checkpoint is in
             place (``--keep-last``).
         timeout_s: How long rank 0 waits for the other ranks' parts.
+        host_buffers: A dict kept between saves (one in flight at a time): the host copy
+            goes into the previous save's arrays of the same name, shape and dtype.
     """
     import os
     import threading
@@ -564,7 +580,7 @@ def save_async(cell, directory, *, step: Optional[int] = None, extra: Optional[d
     from .manifest import partial_dir
 
     started = time.perf_counter()
-    staged = _stage(cell, directory, step, extra, copy=True)
+    staged = _stage(cell, directory, step, extra, copy=True, buffers=host_buffers)
     pending = PendingSave(staged["directory"], staged["step"], time.perf_counter() - started)
     layout, rank = staged["layout"], staged["rank"]
     tmp = partial_dir(staged["directory"])

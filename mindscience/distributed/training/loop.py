@@ -130,6 +130,7 @@ class Trainer:
         self.saved: list = []
         self.save_stalls: list = []  # seconds each save held the step (the host copy when async)
         self.pending = None  # the checkpoint being written in the background (--async-save)
+        self.host_buffers: dict = {}  # its host copy, reused by the next one
         self.stop_signal = None  # the signal that asked this rank to stop (install_stop_handler)
         self.stopped_at = None  # the step after which the ranks agreed to stop
         from . import faults
@@ -262,7 +263,8 @@ class Trainer:
         if self.opts.async_save:
             self.wait_for_save()
             self.pending = checkpoint.save_async(self.checkpoint_cell, directory, step=steps_done, extra=extra,
-                                                 before_write=before_write, after_finish=after_finish)
+                                                 before_write=before_write, after_finish=after_finish,
+                                                 host_buffers=self.host_buffers)
         else:
             before_write()
             checkpoint.save(self.checkpoint_cell, directory, step=steps_done, extra=extra)
