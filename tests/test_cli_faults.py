@@ -14,6 +14,7 @@ between the cases (see docs/faults.md, "What the tests run"):
 * dp2: ``term`` of rank 1 at step 3 with --async-save (every rank saves step 3, exit 3), then the
   resume with ``save-kill`` of rank 1 while step 4's checkpoint is written in the background
   (restart from step 3) and --keep-last 2: 3 launches;
+* 1 rank: SIGTERM to msdist train itself after step 2 (passed on to the rank: exit 3): 1 launch;
 * 2 loopback nodes x 2 ranks at tp2 x dp2, node 1 gone after step 3, --elastic: 2 launches.
 """
 
@@ -427,6 +428,47 @@ def test_sigterm_saves_every_rank_then_async_resume_survives_a_kill_during_the_w
     assert [s["step"] for s in resumed["steps"]] == [4, 5, 6]
     np.testing.assert_allclose(losses(stopped) + losses(resumed), reference, rtol=1e-5)
     assert sorted(os.listdir(save)) == ["step_4", "step_6"]  # --keep-last 2
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_msdist_train_stops_after_a_step_with_it_saved(tmp_path):
+    """SIGTERM to msdist train itself (as a scheduler sends it), once rank 0 has finished step 2:
+    passed on to the rank, which finishes its step, saves it and stops; exit 3."""
+    one = layout_file(tmp_path, "one", 1)
+    save, logs = tmp_path / "ckpt", tmp_path / "logs_s"
+    status = logs / "results" / "rank_0.json"
+    sent = threading.Event()
+
+    def signal_after_step_2():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not sent.is_set():
+            try:
+                records = json.loads(status.read_text()).get("records", [])
+            except (OSError, ValueError):
+                records = []
+            if any(r.get("train_step", 0) >= 2 for r in records):
+                sent.set()
+                os.kill(os.getpid(), signal.SIGTERM)  # the guard of msdist train, in this process
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=signal_after_step_2, daemon=True)
+    watcher.start()
+    try:
+        result = invoke(one, "--model", "tiny-gpt", "--steps", 20, "--save", save, "--mode", MODE,
+                        "--format", "json", "--log-dir", logs)
+    finally:
+        sent.set()
+        watcher.join(5)
+    assert result.exit_code == 3, result.output[-3000:]
+    report = json.loads(result.stdout)
+    step = report["stopped"]["step"]
+    assert 2 < step < 20 and report["stopped"]["signal"] == signal.SIGTERM
+    assert report["stopped"]["saved"] == str(save / f"step_{step}")
+    assert [s["step"] for s in report["steps"]] == list(range(1, step + 1))
+    assert json.loads((save / f"step_{step}" / "manifest.json").read_text())["step"] == step
+    assert os.listdir(save) == [f"step_{step}"]
+    assert_nothing_left(tmp_path)
 
 
 @pytest.mark.multiprocess
