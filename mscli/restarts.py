@@ -198,7 +198,12 @@ def run(*, layout, workload, opts, resume_info, plan, launch, build_spec, check_
         if my_node == 0:
             shutil.rmtree(root, ignore_errors=True)  # an earlier run's check-ins are not this one's
     try:
-        return _run(**locals())
+        return _run(layout=layout, workload=workload, opts=opts, plan=plan, launch=launch, build_spec=build_spec,
+                    check_model=check_model, max_restarts=max_restarts, elastic=elastic,
+                    rejoin_timeout=rejoin_timeout, node_rank=node_rank, run_dir=run_dir, on_restart=on_restart,
+                    on_progress=on_progress, first_step=first_step, target=target, resume_dir=resume_dir,
+                    fault_list=fault_list, cluster=cluster, my_node=my_node, current_nodes=current_nodes,
+                    rendezvous=rendezvous)
     finally:
         # On a cluster the others may still be reading node 0's last decision: the next
         # run's node 0 removes the folder instead.
@@ -208,7 +213,7 @@ def run(*, layout, workload, opts, resume_info, plan, launch, build_spec, check_
 
 def _run(*, layout, workload, opts, plan, launch, build_spec, check_model, max_restarts, elastic, rejoin_timeout,
          node_rank, run_dir, on_restart, on_progress, first_step, target, resume_dir, fault_list, cluster,
-         my_node, current_nodes, rendezvous, **_) -> dict:
+         my_node, current_nodes, rendezvous) -> dict:
     run_started = time.time()
     earlier, restarts = [], []
     guard = SignalGuard()
@@ -220,6 +225,7 @@ def _run(*, layout, workload, opts, plan, launch, build_spec, check_model, max_r
             spec = build_spec(layout, workload, cur_opts, cur_opts.resume)
             log_dir = run_dir if attempt == 0 else os.path.join(run_dir, f"restart_{attempt}")
             launched_at = time.time()
+            guard.pids = set()  # this launch's ranks only: an earlier one's pids may be reused
 
             def progress(snapshot, _layout=layout):
                 guard.watch(snapshot)
@@ -238,7 +244,8 @@ def _run(*, layout, workload, opts, plan, launch, build_spec, check_model, max_r
                 stop = stopped_step(result.ranks)
                 if stop is not None:
                     out["stopped"] = {"step": stop[0], "saved": stop[1], "signal": guard.signal}
-                faults.clean_leftovers(opts.save) if node_rank in (None, 0) else None
+                if node_rank in (None, 0):
+                    faults.clean_leftovers(opts.save)
                 return out
             failure = result.failures[0] if result.failures else {"rank": -1, "kind": "infra",
                                                                  "reason": "the launch failed"}
