@@ -484,13 +484,21 @@ def test_unequal_stages_memory_and_step_time_by_hand():
     # Korthikanti pricing: the busiest stage is stage 1 (3 layers): slot 3 x 3 x 4096 FLOPs, m = 4.
     t = step_time(TOY5, training, unit, 1, 1, 2, 1)
     assert t["breakdown"]["compute_s"] == pytest.approx(4 * 3 * 3 * 4096 / 1e12)
-    # As the library runs it: stage 0 re-runs its 2 layers' forward (4 x 2 x 4096 = 32,768 < 36,864).
+    # As the library runs it: the stage forwards are kept (no note), the same slot.
     training, runtime, notes = what_runs(training, 1, 1, 2, 1)
+    assert runtime == Runtime(stage_recompute=False) and notes == []
     t = step_time(TOY5, training, unit, 1, 1, 2, 1, runtime=runtime)
     assert t["breakdown"]["compute_s"] == pytest.approx(4 * 3 * 3 * 4096 / 1e12)
-    # with 1 + 4 layers stage 0's re-run does not matter either; with 4 + 1 it decides: 4 x 4 x 4096.
+    # 4 + 1 layers, kept: stage 0's 4 layers x 3 passes decide.
     heavy = replace(training, first_stage_layers=4)
     t = step_time(TOY5, heavy, unit, 1, 1, 2, 1, runtime=runtime)
+    assert t["breakdown"]["compute_s"] == pytest.approx(4 * 3 * 4 * 4096 / 1e12)
+    # Where the runtime re-runs stage 0's forward (2 layers: 4 x 2 x 4096 = 32,768 < 36,864, no
+    # matter); with 4 + 1 the re-run decides: 4 x 4 x 4096.
+    rerun = Runtime(stage_recompute=True)
+    t = step_time(TOY5, training, unit, 1, 1, 2, 1, runtime=rerun)
+    assert t["breakdown"]["compute_s"] == pytest.approx(4 * 3 * 3 * 4096 / 1e12)
+    t = step_time(TOY5, heavy, unit, 1, 1, 2, 1, runtime=rerun)
     assert t["breakdown"]["compute_s"] == pytest.approx(4 * 4 * 4 * 4096 / 1e12)
     # A cut that does not work is a constraint naming the options.
     bad = violations(TOY5, TrainingSpec(first_stage_layers=4, last_stage_layers=2), 1, 1, 2, 1)

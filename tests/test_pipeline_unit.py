@@ -107,6 +107,33 @@ def test_one_stage_pipeline_equals_dense(schedule, mode):
         np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["pynative", "jit"])
+def test_one_rank_interleaved_keeps_its_first_chunk(mode):
+    """p = 1, v = 2: chunk 0's kept forward hands its output to chunk 1 on the same rank (no
+    transfer); kept (recompute="none") equals the dense model and the recomputing run."""
+    from mindscience.distributed.pipeline.runtime import last_recompute
+
+    rng = np.random.default_rng(2)
+    m = 3
+    xs = [ms.Tensor(rng.standard_normal((2, 3)).astype(np.float32)) for _ in range(m)]
+    ts = [ms.Tensor(rng.standard_normal((2, 3)).astype(np.float32)) for _ in range(m)]
+    dense = _Lin([0, 1])
+    params = dense.trainable_params()
+
+    def dense_loss(*a):
+        return sum(_mse(dense(a[j]), a[m + j]) for j in range(m)) / m
+
+    want_loss, want = ms.value_and_grad(dense_loss, None, params)(*xs, *ts)
+    stage = [_Lin([0]), _Lin([1])]
+    for recompute in ("none", "full"):
+        loss, grads = forward_backward(stage, xs, ts, _mse, schedule="interleaved", mode=mode,
+                                       group=ONE, recompute=recompute)
+        assert last_recompute()[0] == recompute
+        assert abs(float(loss.asnumpy()) - float(want_loss.asnumpy())) < 1e-6
+        for g, w in zip(grads, want):
+            np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(schedule="zigzag"), "unknown"),
     (dict(schedule="interleaved"), "list of the v model chunks"),

@@ -276,7 +276,8 @@ def test_suggest_orders_by_step_time_and_first_sci_layout_has_a_small_bubble():
     ranked = [(c["tp"], c["cp"], c["dp"], c["pp"]) for c in result["candidates"]]
     old = result["candidates"][ranked.index((1, 1, 8, 8))]
     assert old["breakdown"]["bubble_s"] == pytest.approx(0.875 * old["breakdown"]["compute_s"])
-    assert ranked.index((1, 1, 8, 8)) > 20 and old["step_time_s"] > 1.5 * best["step_time_s"]
+    # 1.44x since the pipeline keeps its stage forwards (above 1.5x while it re-ran them).
+    assert ranked.index((1, 1, 8, 8)) > 20 and old["step_time_s"] > 1.4 * best["step_time_s"]
 
 
 def test_suggest_fix_micro_batches_and_virtual_stages():

@@ -34,7 +34,7 @@ Example::
     runtime_recompute("1f1b", "pynative", "selective", 4)
     # ("selective", "1f1b keeps each in-flight micro-batch's stage forward from F to B ...")
     runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)
-    # ("full", "mode='jit' with tensor or context parallelism: ...")
+    # ("full", "mode='jit' with collectives in the stage (tp, cp, ep or fully_shard): ...")
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         pp: Pipeline ranks.
         virtual_stages: Model chunks per rank (interleaved); ``pp * virtual_stages``
             model stages in all.
-        model_parallel: Ranks a stage's forward spans (``tp * cp``): above 1 the stage
+        model_parallel: Ranks a stage's forward exchanges data with (``tp * cp * ep *
+            etp``; the runtime counts ``fully_shard`` weights as 2): above 1 the stage
             holds collectives.
 
     Returns:
@@ -113,7 +114,8 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
     if isinstance(model_parallel, bool) or not isinstance(model_parallel, numbers.Integral) \
             or model_parallel < 1:
         raise RecomputeError(f"model_parallel={model_parallel!r} is invalid: expected an integer "
-                             ">= 1 (the ranks of a stage's forward, tp * cp).")
+                             ">= 1 (the ranks a stage's forward exchanges data with, tp * cp * ep "
+                             "* etp).")
     stages = pp * virtual_stages
     if stages == 1:
         what = "none" if recompute == "full" else recompute
@@ -124,7 +126,8 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         return "full", ("recompute='full': every model stage but the last keeps its input only "
                         "and recomputes its forward in the backward.")
     if mode == "jit" and model_parallel > 1:
-        return "full", ("mode='jit' with tensor or context parallelism: a kept compiled stage "
+        return "full", ("mode='jit' with collectives in the stage (tp, cp, ep or fully_shard): "
+                        "a kept compiled stage "
                         "forward gives wrong gradients once the stage holds two tensor-parallel "
                         "blocks (MindSpore 2.10 CPU, measured even with one micro-batch in "
                         "flight), so every model stage but the last recomputes its forward: "

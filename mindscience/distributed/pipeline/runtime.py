@@ -24,7 +24,8 @@ step            what this rank does
 Recompute: :func:`~.recompute.runtime_recompute` says what runs for a configuration
 (``last_recompute()`` returns it for the last call). Every schedule keeps its forwards
 when asked (``"none"``/``"selective"``) and back-propagates them in its own order, in
-PyNative and under jit; under jit with tp or cp > 1 it recomputes (``"full"``, a
+PyNative and under jit; under jit with collectives in the stage (tp, cp, ep or
+``fully_shard``) it recomputes (``"full"``, a
 ``UserWarning`` once per configuration says why). The last stage computes its loss and
 gradients in one pass (nothing to recompute).
 
@@ -114,13 +115,23 @@ def stage_parameters(stage) -> list:
     return out
 
 
-def _model_parallel() -> int:
-    """``tp * cp`` of the manager's layout (1 without one): the ranks a stage spans."""
+def _model_parallel(cells) -> int:
+    """The ranks a stage's forward exchanges data with (1: no collective inside it).
+
+    ``tp * cp * ep * etp`` of the manager's layout, or at least 2 when a chunk holds
+    ``fully_shard`` parameters (gathered over dp-cp in the forward).
+    """
     from .. import manager
 
-    if not manager.is_initialized():
-        return 1
-    return manager.get_tensor_parallel_world_size() * manager.get_context_parallel_world_size()
+    n = 1
+    if manager.is_initialized():
+        n = (manager.get_tensor_parallel_world_size() * manager.get_context_parallel_world_size()
+             * manager.get_expert_model_parallel_world_size()
+             * manager.get_expert_tensor_parallel_world_size())
+    if n == 1 and any(getattr(q, "fsdp", None) is not None
+                      for cell in cells for q in cell.get_parameters()):
+        n = 2
+    return n
 
 
 def _pp_group(group):
@@ -211,7 +222,7 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
             ``"selective"``: keep the stage forwards until their backwards (no second
             forward; the cells the model marks with ``recompute`` still recompute inside),
             every schedule, in PyNative, and under jit where the stage spans one tp / cp
-            rank (with tp or cp > 1 ``mode="jit"`` runs ``"full"``, a ``UserWarning`` once
+            rank (with tp, cp, ep or fully_shard ``mode="jit"`` runs ``"full"``, a ``UserWarning`` once
             per configuration says so); see :func:`~.recompute.runtime_recompute` and
             :func:`last_recompute`.
 
@@ -238,7 +249,8 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     cells = list(stage) if schedule == "interleaved" else [stage]
     m, v = len(inputs), len(cells)
     stages = p * v
-    what_runs, reason = runtime_recompute(schedule, mode, recompute, p, v, _model_parallel())
+    what_runs, reason = runtime_recompute(schedule, mode, recompute, p, v,
+                                          _model_parallel(cells) if mode == "jit" else 1)
     keep = what_runs != "full" and p * v > 1
     if recompute != "full" and what_runs == "full" and (schedule, mode, recompute) not in _WARNED:
         _WARNED.add((schedule, mode, recompute))
@@ -253,7 +265,10 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     entry = learned_all.get(key)
     first_call = entry is None
     if first_call and p > 1:
-        _agree(g, m, v, schedule, problem, keep=keep)
+        if keep:
+            _agree(g, m, v, schedule, problem, keep=True)
+        else:
+            _agree(g, m, v, schedule, problem)
     if problem is not None:
         raise PipelineError(problem)
     learned = {} if first_call else entry
