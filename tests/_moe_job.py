@@ -3,7 +3,9 @@
 The layer at ep2, ep4, ep2 x tp2 (etp 1 and 2) and ep2 x cp2 against the one-rank layer
 (outputs, aux loss, every gradient after GradientFinalizer), dropless and with a capacity
 factor, both dispatchers, a rank whose experts receive no token, PyNative and jit (each
-graph compiled once); the uneven all-to-all and the dispatch round trip; the error cases.
+graph compiled once); the uneven all-to-all and the dispatch round trip; the error cases;
+DistributedOptimizer stages with and without max_grad_norm; the dispatch's bytes against
+the cost model.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ SPEC = {
                {"name": "allgather_capacity", "dispatcher": "allgather", "capacity_factor": 1.0}),
         # DistributedOptimizer stages 0-3 (stage 3 after fully_shard), 5 steps, tp2 x dp2 x ep2
         {"name": "moe.train", "params": {"layout": {"tp": 2, "ep": 2, "etp": 1}}},
+        # max_grad_norm: one global norm over dense and expert weights, both clipped alike
+        {"name": "moe.clip", "params": {"layout": {"tp": 2, "ep": 2, "etp": 1}}},
+        {"name": "moe.clip", "params": {"layout": {"tp": 2, "ep": 2, "etp": 2}, "stages": [1]}},
+        # bytes the dropless dispatch moved vs the cost model's figure
+        {"name": "moe.bytes", "params": {"layout": {"ep": 4}}},
+        {"name": "moe.bytes", "params": {"layout": {"tp": 2, "ep": 2, "etp": 2}}},
         # cp2 x dp2, ep2: the layer sees cp chunks of the sequence
         _layer({"cp": 2, "ep": 2},
                {"name": "aux", "pre_softmax": True, "topk_scaling_factor": 2.0, **AUX},

@@ -265,6 +265,63 @@ def test_4ranks_training_every_zero_stage_matches_one_rank(job):
     assert by_stage[1] < by_stage[0] and by_stage[3] == by_stage[2] == by_stage[1]
 
 
+@pytest.mark.multiprocess
+def test_4ranks_dropless_dispatch_moves_what_the_cost_model_prices(job):
+    """PyNative dropless: slots of the largest real per-expert count, so each rank's ep
+    all-to-alls (and etp gathers) move the cost model's bytes at the measured imbalance,
+    less than the compiled static slots (E/topk x the rows), which moe_static_slots prices."""
+    records = job_mod.records_of(job, "moe.bytes")
+    assert len(records) == 8
+    assert {r["layout"] for r in records} == {"tp1-cp1-dp4-ep4-etp1", "tp2-cp1-dp2-ep2-etp2"}
+    for r in records:
+        assert r["passed"], r
+        rec = r["record"]
+        assert rec["step_all_to_all_bytes"] == r["priced_all_to_all_bytes"] > 0, r
+        assert 2 * rec["etp_bytes"] == r["priced_etp_all_gather_bytes"], r
+        assert 4 * rec["static_all_to_all_bytes"] == r["priced_static_all_to_all_bytes"], r
+        assert 1.0 < rec["imbalance"] < 8 / 2, r  # uneven, and under E/topk = 4
+        assert rec["rows"] == 8 * rec["slot"] and rec["slot"] < rec["tokens"], r
+        assert rec["all_to_all_bytes"] < rec["static_all_to_all_bytes"], r
+    for layout in {r["layout"] for r in records}:
+        # One slot for the whole exchange: every rank moves the same bytes.
+        assert len({r["record"]["slot"] for r in records if r["layout"] == layout}) == 1
+
+
+@pytest.mark.multiprocess
+def test_4ranks_max_grad_norm_with_experts_is_the_one_rank_norm(job):
+    """max_grad_norm with expert weights: the returned norm equals the one-rank model's at
+    tp2 x ep2 (etp 1: edp 2; etp 2: edp 1) and ZeRO stages 0, 1 and 3, and the clipped
+    steps match the one-rank optimizer's (losses, expert and router weights)."""
+    records = job_mod.records_of(job, "moe.clip")
+    assert len(records) == 4 * 3 + 4
+    assert {(r["layout"], r["stage"]) for r in records} == {
+        ("tp2-cp1-dp2-ep2-etp1", 0), ("tp2-cp1-dp2-ep2-etp1", 1), ("tp2-cp1-dp2-ep2-etp1", 3),
+        ("tp2-cp1-dp2-ep2-etp2", 1)}
+    for r in records:
+        assert r["passed"] and r["errors"]["norms"] <= 1e-5 and r["errors"]["losses"] <= 1e-5, r
+        assert len(r["norms"]) == 3
+        assert min(r["ref_norms"]) > r["max_grad_norm"], r  # every step was clipped
+
+
+def test_static_slots_are_priced_as_experts_over_topk():
+    from dataclasses import replace
+
+    from mindscience.distributed.costmodel.comm import moe_rows
+    from mindscience.distributed.costmodel.spec import ModelSpec, TrainingSpec
+    from mindscience.distributed.moe import dispatch_record
+
+    model = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=1, seq_length=32, vocab_size=0,
+                      num_moe_experts=8, moe_router_topk=2)
+    training = TrainingSpec(micro_batch_size=1, precision="fp32")
+    dyn = moe_rows(model, training, 1, 1, 4, 1, passes=1, again=0)[0]
+    static = moe_rows(model, replace(training, moe_static_slots=True), 1, 1, 4, 1, passes=1, again=0)[0]
+    assert static["bytes"] == 4 * dyn["bytes"]  # E / topk = 4
+    # 32 tokens, balanced: a slot of 32 * 2 / 8 = 8 rows per expert.
+    rec = dispatch_record(8, 2, 4, 1, 32, 8, 16, 4)
+    assert rec["imbalance"] == 1.0 and rec["step_all_to_all_bytes"] == dyn["bytes"]
+    assert 4 * rec["static_all_to_all_bytes"] == static["bytes"] == 4 * 3 * 2 * 32 * 16 * 4
+
+
 def test_all_to_all_v_checks_its_size_matrix_before_any_collective():
     import mindspore as ms
 

@@ -45,6 +45,7 @@ of ``s*b*h = 4`` bf16 values: 4 all-reduces of 8 bytes, each sending ``8 * 2*(2-
 from __future__ import annotations
 
 from .memory import BYTES, GRADIENT_BYTES, num_microbatches
+from .moe_spec import dispatch_imbalance
 from .params import model_stage_layers, rank_layers, stage_counts
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
@@ -141,13 +142,14 @@ def moe_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, ep: int
     values (sent: ``(ep - 1)/ep`` of them), and with ``etp > 1`` an all-gather after the
     dispatch and a reduce-scatter before the combine (and their backward twins) over etp
     of the ``etp`` times larger gathered rows. A re-run forward adds one dispatch and one
-    combine of each.
+    combine of each. With ``moe_static_slots`` (the compiled dropless dispatch) the rows are
+    ``num_experts / topk`` times the tokens' (:func:`~.moe_spec.dispatch_imbalance`).
     """
     if not model.is_moe or passes == 0:
         return []
     nbytes = BYTES[training.precision]["activation"]
     rows_sent = model.seq_length // cp * training.micro_batch_size / tp * model.moe_router_topk
-    message = rows_sent * model.hidden_size * nbytes * training.moe_imbalance
+    message = rows_sent * model.hidden_size * nbytes * dispatch_imbalance(model, training)
     out = []
     if ep > 1:
         count = round((4 + 2 * again) * passes)

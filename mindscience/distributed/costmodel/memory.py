@@ -30,6 +30,7 @@ from dataclasses import replace
 from .params import (embedding_parameters, expert_fc1_width, layer_parameters, mlp_fc1_width, model_stage_layers,
                      rank_layers, rank_moe_layers, stage_counts, stage_expert_counts, stage_parameters,
                      total_parameters)
+from .moe_spec import dispatch_imbalance
 from .spec import ModelSpec, TrainingSpec
 
 __all__ = ["embedding_parameters", "layer_parameters", "stage_parameters", "total_parameters",
@@ -123,7 +124,7 @@ def dispatched_tokens(model: ModelSpec, training: TrainingSpec, tp: int, cp: int
     times ``training.moe_imbalance`` (>= 1: the busiest rank's load over the mean).
     """
     tokens = model.seq_length // cp * training.micro_batch_size / tp
-    return tokens * model.moe_router_topk * etp * training.moe_imbalance
+    return tokens * model.moe_router_topk * etp * dispatch_imbalance(model, training)
 
 
 def moe_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int,

@@ -109,3 +109,22 @@ def check_moe(m) -> None:
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ModelError("moe_pad_expert_input_to_capacity=true needs moe_expert_capacity_factor: padding fills "
                          "every expert to its capacity. Set a capacity factor (e.g. 1.25) or drop the padding.")
+
+
+def dispatch_imbalance(model, training) -> float:
+    """The rows a rank's dispatch moves and its experts run per MoE layer, over ``tokens * topk``.
+
+    ``training.moe_imbalance`` (the busiest rank's rows over the mean), except for the dropless
+    ``alltoall`` dispatcher run compiled (``training.moe_static_slots``): its static slots hold
+    all of a rank's tokens for every expert, ``num_experts / topk`` whatever the routing.
+
+        >>> from types import SimpleNamespace as N
+        >>> m = N(num_moe_experts=8, moe_router_topk=2, moe_expert_capacity_factor=None,
+        ...       moe_token_dispatcher_type="alltoall")
+        >>> [dispatch_imbalance(m, N(moe_imbalance=1.25, moe_static_slots=s)) for s in (False, True)]
+        [1.25, 4.0]
+    """
+    if (getattr(training, "moe_static_slots", False) and model.moe_expert_capacity_factor is None
+            and model.moe_token_dispatcher_type == "alltoall"):
+        return model.num_moe_experts / model.moe_router_topk
+    return training.moe_imbalance

@@ -51,6 +51,7 @@ file and the dotted key::
       account_for_embedding_in_pipeline_split: false
       account_for_loss_in_pipeline_split: false
       moe_imbalance: 1.0          # MoE: the busiest rank's routed tokens over the mean (>= 1)
+      moe_static_slots: false     # MoE: compiled dropless dispatch (a slot of all N tokens per expert)
     cluster:                      # these are the defaults (without a device preset)
       device: null                # a preset filling the keys below: ascend-910b, a100-80gb, ...
       device_memory_gb: 64        # GiB (2**30 bytes) per device
@@ -277,6 +278,12 @@ class TrainingSpec:
         moe_imbalance: Mixture of experts: the busiest rank's routed (token, expert) rows
             over the mean, >= 1 (default 1.0, perfectly balanced). It multiplies that
             rank's expert FLOPs, dispatched activations and all-to-all bytes.
+        moe_static_slots: Mixture of experts: the dropless ``alltoall`` dispatch runs
+            compiled (ms.jit / GRAPH_MODE), whose static shapes give each expert a slot of
+            all of a rank's tokens: every rank dispatches and computes ``num_experts/topk``
+            times ``tokens * topk`` rows, whatever the routing. False (the default): the
+            PyNative dispatch, whose slots are sized from the real counts
+            (``moe_imbalance``).
 
     Raises:
         ModelError: a value out of range or an unknown choice.
@@ -297,6 +304,7 @@ class TrainingSpec:
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
     moe_imbalance: float = 1.0
+    moe_static_slots: bool = False
 
     def __post_init__(self):
         _positive_int("micro_batch_size", self.micro_batch_size)
@@ -331,7 +339,7 @@ class TrainingSpec:
         _positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
         _choice("precision", self.precision, PRECISIONS)
         _choice("recompute", self.recompute, RECOMPUTE)
-        for name in ("distributed_optimizer", "sequence_parallel", "overlap_grad_reduce"):
+        for name in ("distributed_optimizer", "sequence_parallel", "overlap_grad_reduce", "moe_static_slots"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
 
@@ -524,7 +532,7 @@ _SCHEMAS = {
         "context_parallel_method": ((str,), "one of ulysses, allgather_kv, ring"),
         "first_stage_layers": _INT, "last_stage_layers": _INT,
         "account_for_embedding_in_pipeline_split": _BOOL, "account_for_loss_in_pipeline_split": _BOOL,
-        "moe_imbalance": _NUM,
+        "moe_imbalance": _NUM, "moe_static_slots": _BOOL,
     }),
     "cluster": (ClusterSpec, {
         "device": ((str,), f"a device preset ({', '.join(device_names())})"),

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from .comm import recompute_passes, traffic
 from .memory import BYTES, num_microbatches, pipeline_bubble, ring_attention
+from .moe_spec import dispatch_imbalance
 from .params import expert_fc1_width, mlp_fc1_width, model_stage_layers, rank_moe_layers
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
@@ -132,7 +133,9 @@ def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int,
     chunks = model_stage_layers(model, training, pp)
     moe_layers = rank_moe_layers(model, training, pp)
     # A MoE layer on the busiest expert rank: its routed rows are moe_imbalance x the mean.
-    moe_layer = moe_layer_forward_flops(model, b * s // cp, s, training.moe_imbalance) if model.is_moe else layer
+    # moe_static_slots: the compiled dropless dispatch runs num_experts/topk x (dispatch_imbalance).
+    moe_layer = (moe_layer_forward_flops(model, b * s // cp, s, dispatch_imbalance(model, training))
+                 if model.is_moe else layer)
     for stage in range(pp):
         layers = sum(chunks[stage::pp])
         moe = moe_layers[stage]

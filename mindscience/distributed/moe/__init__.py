@@ -7,9 +7,9 @@
 See docs/guide/moe.md ("The MoE layer").
 """
 
-from .config import MoEConfig, MoEConfigError, capacity, check_layout
+from .config import MoEConfig, MoEConfigError, capacity, check_layout, dispatch_record
 from .layer import MoELayer, expert_groups
 from .router import TopKRouter, aux_loss_from_sums
 
 __all__ = ["MoEConfig", "MoEConfigError", "MoELayer", "TopKRouter", "aux_loss_from_sums",
-           "capacity", "check_layout", "expert_groups"]
+           "capacity", "check_layout", "dispatch_record", "expert_groups"]

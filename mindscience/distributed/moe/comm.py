@@ -100,7 +100,8 @@ def all_to_all_experts(x, group):
 def all_to_all_v(x, group, split_sizes):
     """Differentiable :func:`mindscience.distributed.collectives.all_to_all_v` (the
     gradient goes back by the transposed size matrix). The sizes are Python ints (known
-    when the graph is built); the MoE layer itself uses padded static slots instead."""
+    when the graph is built). The MoE layer uses equal slots instead (sized from the real
+    per-expert counts in PyNative, static when compiled: :mod:`.layer`)."""
     g = C.resolve_group(group)
     rows = C.check_split_matrix("all_to_all_v", x, g, split_sizes)
     if g.size == 1:

@@ -14,7 +14,7 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Optional
 
-__all__ = ["MoEConfig", "MoEConfigError", "capacity", "capacity_of", "check_layout"]
+__all__ = ["MoEConfig", "MoEConfigError", "capacity", "capacity_of", "check_layout", "dispatch_record"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
@@ -248,3 +248,34 @@ def check_layout(config: MoEConfig, ep: int, etp: int) -> None:
             f"MoELayer: ffn_hidden_size={config.ffn_hidden_size} is not divisible by etp={etp}: "
             "the expert width is split over the expert tensor-parallel ranks; use an etp that "
             "divides it.")
+
+
+def dispatch_record(num_experts: int, topk: int, ep: int, etp: int, tokens: int, slot: int,
+                    hidden: int, itemsize: int, capacity: bool = False) -> dict:
+    """What the ``alltoall`` dispatcher moves on one rank for one layer call (pure arithmetic).
+
+    The dispatch buffer holds ``num_experts * slot`` rows of ``hidden`` values. Each of the
+    four all-to-alls over ep (dispatch and combine, and their backward twins of the same
+    shape) sends the ``(ep - 1)/ep`` of it bound for the other ep ranks; with ``etp > 1`` each
+    all-gather / reduce-scatter over etp sends ``(etp - 1)`` times the buffer (ring count).
+
+    Returns:
+        ``tokens``, ``slot``, ``rows`` (``num_experts * slot``), ``imbalance`` (``rows`` over
+        ``tokens * topk``: the busiest expert's rows over the mean when the slot is sized from
+        the counts), ``capacity`` (the slot is a capacity), ``all_to_all_bytes`` (one call),
+        ``step_all_to_all_bytes`` (the four calls of a forward and backward), ``etp_bytes``
+        (one etp all-gather or reduce-scatter) and ``static_all_to_all_bytes`` (one call with
+        the compiled dropless slot, ``slot = tokens``).
+    """
+    row_bytes = hidden * itemsize
+    local = num_experts // ep
+    one = (ep - 1) * local * slot * row_bytes
+    return {
+        "tokens": tokens, "slot": slot, "rows": num_experts * slot,
+        "imbalance": num_experts * slot / (tokens * topk) if tokens else 1.0,
+        "capacity": bool(capacity),
+        "all_to_all_bytes": one,
+        "step_all_to_all_bytes": 4 * one,
+        "etp_bytes": (etp - 1) * num_experts * slot * row_bytes,
+        "static_all_to_all_bytes": (ep - 1) * local * tokens * row_bytes,
+    }

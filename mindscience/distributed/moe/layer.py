@@ -17,9 +17,18 @@ reduce-scatter). ``allgather`` replaces 3 and 5 by an all-gather of the tokens a
 the routing weights over the dispatch group (etp x ep) and a reduce-scatter of the
 partial outputs.
 
-Static shapes: each expert's slot of a rank's buffer holds C = N rows when dropless (a
-token picks an expert at most once) or the capacity; empty rows are zeros, which the
+Slots: each expert's slot of a rank's dispatch buffer holds C rows. With a capacity
+factor C is the capacity. Dropless in PyNative, C is the largest count of (token, expert)
+assignments any rank of the dispatch group routes to one expert (the counts, E floats, are
+all-gathered over the etp x ep group first), so the ep all-to-all carries E*C rows per rank,
+``tokens * topk * imbalance`` with ``imbalance = E*C / (N*topk)`` (the busiest expert's
+rows over the mean): what the cost model prices. Compiled (ms.jit / GRAPH_MODE) shapes are
+static, so dropless C = N there (a token picks an expert at most once): ``E/topk`` times the
+rows; the cost model prices that with ``moe_static_slots``. Empty rows are zeros, which the
 experts map to zeros (no bias), so padding changes no number.
+
+In PyNative each call records what the alltoall dispatcher moved on this rank in
+:attr:`MoELayer.last_dispatch` (:func:`dispatch_record`).
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ from mindspore import dtype as mstype
 
 from .. import collectives as C
 from .. import mappings
+from ..collectives import compiling
 from ..group import ParallelGroup
 from .comm import all_to_all_experts, reduce_for_loss
-from .config import MoEConfig, capacity_of, check_layout
+from .config import MoEConfig, capacity_of, check_layout, dispatch_record
 from .experts import GroupedExperts, SharedExperts
 from .router import TopKRouter, aux_loss_from_sums
 
@@ -155,6 +165,7 @@ class MoELayer(nn.Cell):
             # tp by the gradient finalizer (as a sequence-parallel weight).
             self.router.weight.sequence_parallel = True
         self.experts = GroupedExperts(config, self.local_experts, self.etp)
+        self.last_dispatch = None
         self.shared_experts = None
         if config.shared_expert_ffn_hidden_size is not None:
             self.shared_experts = SharedExperts(config, g["tp"], compute_dtype)
@@ -176,8 +187,42 @@ class MoELayer(nn.Cell):
         valid = ops.gather_elements(rt, 1, idx)
         return idx, valid
 
-    def _experts_alltoall(self, buf):
-        """(E, C, H) dispatch buffer -> (E, C, H) expert outputs, through ep and etp."""
+    def _dropless_slot(self, routed):
+        """PyNative: the largest per-expert count over the dispatch group (>= 1): the
+        smallest slot that drops nothing, the same on every rank of the exchange."""
+        counts = ops.stop_gradient(routed).sum(0).reshape((1, self.num_experts))
+        if self.dispatch_group.size > 1:
+            counts = C.all_gather(counts, self.dispatch_group, 0)
+        return max(int(round(float(counts.max().asnumpy()))), 1)
+
+    def _record(self, n, buf):
+        """PyNative: what the exchange of ``buf`` (E, C, H) moves (:func:`dispatch_record`)."""
+        E, cap, H = buf.shape
+        self.last_dispatch = dispatch_record(E, self.topk, self.ep, self.etp, n, cap, H,
+                                             buf.itemsize, not self.dropless)
+
+    def _slots_alltoall(self, x, wmap, idx, valid, n, cap):
+        """Tokens into (E, cap, H) slots by ``idx``/``valid``, through the experts, back to (N, H)."""
+        E = self.num_experts
+        H = x.shape[1]
+        flat = idx.reshape((-1,))
+        buf = ops.gather(x, flat, 0).reshape((E, cap, H)) * valid.reshape((E, cap, 1))
+        cw = ops.gather_elements(wmap.T, 1, idx) * valid
+        y = self._experts_alltoall(buf, n)
+        return ops.unsorted_segment_sum((y * cw.reshape((E, cap, 1))).reshape((E * cap, H)), flat, n)
+
+    def _sized_alltoall(self, x, routed, wmap):
+        """PyNative dropless: slots of the largest real per-expert count (nothing dropped)."""
+        n = x.shape[0]
+        cap = self._dropless_slot(routed)
+        idx, valid = self._select(routed, wmap, n, cap)
+        return self._slots_alltoall(x, wmap, idx, valid, n, cap)
+
+    def _experts_alltoall(self, buf, n):
+        """(E, C, H) dispatch buffer of ``n`` tokens -> (E, C, H) expert outputs, through ep
+        and etp."""
+        if not compiling():
+            self._record(n, buf)
         E, cap, H = buf.shape
         L = self.local_experts
         y = all_to_all_experts(buf, self.ep_group)  # (ep*L, C, H) from each source
@@ -205,16 +250,15 @@ class MoELayer(nn.Cell):
             idx, valid = self._select(routed, wmap, n, cap)
         if self.alltoall:
             if self.dropless:
-                buf = x.reshape((1, n, H)) * routed.T.reshape((E, n, 1))
-                y = self._experts_alltoall(buf)
-                out = (y * wmap.T.reshape((E, n, 1))).sum(0)
+                if compiling():
+                    # Static shapes: every expert's slot holds all N tokens.
+                    buf = x.reshape((1, n, H)) * routed.T.reshape((E, n, 1))
+                    y = self._experts_alltoall(buf, n)
+                    out = (y * wmap.T.reshape((E, n, 1))).sum(0)
+                else:
+                    out = self._sized_alltoall(x, routed, wmap)
             else:
-                flat = idx.reshape((-1,))
-                buf = ops.gather(x, flat, 0).reshape((E, cap, H)) * valid.reshape((E, cap, 1))
-                cw = ops.gather_elements(wmap.T, 1, idx) * valid
-                y = self._experts_alltoall(buf)
-                out = ops.unsorted_segment_sum((y * cw.reshape((E, cap, 1))).reshape((E * cap, H)),
-                                               flat, n)
+                out = self._slots_alltoall(x, wmap, idx, valid, n, cap)
                 keep = ops.zeros((E, n), mstype.float32)
                 keep = ops.tensor_scatter_elements(keep, idx, valid, 1).T
         else:

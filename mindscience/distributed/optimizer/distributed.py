@@ -75,6 +75,15 @@ def _expert_dp_group(group: Optional[GroupLike]) -> ParallelGroup:
     return ParallelGroup.trivial("edp")
 
 
+def _expert_model_group(group: Optional[GroupLike]) -> ParallelGroup:
+    """The etp x ep group (the experts' distinct shards): given, or the manager's."""
+    if group is not None:
+        return C.resolve_group(group)
+    if manager.is_initialized():
+        return manager.get_group("etp-ep")
+    return ParallelGroup.trivial("etp-ep")
+
+
 def _world_rank() -> int:
     if manager.is_initialized():
         return manager._state().rank
@@ -129,6 +138,9 @@ class DistributedOptimizer(nn.Cell):
             3 shards them as stage 2); default the manager's expert data-parallel group.
             Their reduced gradient is that sum divided by the dp-cp size. They live in a
             second optimizer, ``self.expert_optimizer``.
+        expert_tensor_and_model_group: The etp x ep group, over which the experts' distinct
+            shards are summed into the norm (``max_grad_norm``); default the manager's
+            ``"etp-ep"`` group.
 
     Inputs:
         grads: Tuple of gradients, one per parameter, shaped like it, in its dtype or
@@ -137,7 +149,9 @@ class DistributedOptimizer(nn.Cell):
     Outputs:
         With ``max_grad_norm``: the global gradient norm BEFORE clipping (float32 scalar,
         the same on every rank; tp-replicated parameters and the second copy of a tied
-        embedding counted once, shard padding 0). Without: a bool scalar ``True`` (as
+        embedding counted once, shard padding 0; MoE expert weights summed over their ep and
+        etp shards and their edp ZeRO shards, each once: the one-rank model's norm). Both
+        optimizers (dense and expert) clip with the same factor. Without: a bool scalar ``True`` (as
         ``mindspore.nn.Optimizer``), which the caller may ``ops.depend`` on.
 
     Raises:
@@ -154,7 +168,8 @@ class DistributedOptimizer(nn.Cell):
                  pipeline_group: Optional[GroupLike] = None,
                  embedding_group: Optional[GroupLike] = None,
                  expert_dp_group: Optional[GroupLike] = None,
-                 _expert_grad_scale: Optional[float] = None):
+                 expert_tensor_and_model_group: Optional[GroupLike] = None,
+                 _expert_grad_scale: Optional[float] = None, _expert_norm_groups=None):
         super().__init__(auto_prefix=False)
         params = list(params)
         all_params = params
@@ -167,11 +182,8 @@ class DistributedOptimizer(nn.Cell):
             # MoE expert weights (moe.MoELayer): their gradients are summed over the expert
             # data-parallel group (edp) and divided by the dp-cp size; their state is
             # sharded over edp (stage 3: as stage 2, fully_shard leaves them whole).
-            if max_grad_norm is not None:
-                raise DistributedOptimizerError(
-                    "DistributedOptimizer: max_grad_norm with MoE expert parameters is not "
-                    "supported yet (the norm would need the ep/etp groups); pass "
-                    "max_grad_norm=None, or clip the gradients before the step.")
+            # With max_grad_norm this optimizer adds their squared norm (over edp, etp x ep
+            # and pp) to the dense one and clips both with one factor (construct).
             dense_idx = tuple(i for i in range(len(params)) if i not in expert_idx)
             if not dense_idx:
                 raise DistributedOptimizerError(
@@ -181,13 +193,17 @@ class DistributedOptimizer(nn.Cell):
             self.expert_index = expert_idx
             dpcp = _group(group, "get_data_context_parallel_group", "dp-cp")
             edp = _expert_dp_group(expert_dp_group)
+            norm_groups = None
+            if max_grad_norm is not None:
+                norm_groups = (_expert_model_group(expert_tensor_and_model_group),
+                               _group(pipeline_group, "get_pipeline_parallel_group", "pp"))
             self.expert_optimizer = DistributedOptimizer(
                 [params[i] for i in expert_idx], optimizer, lr, betas, eps, weight_decay,
                 min(int(zero_stage), 2) if isinstance(zero_stage, int) else zero_stage, edp,
                 bucket_size_mb, main_params_dtype, None, momentum=momentum,
                 tp_group=ParallelGroup.trivial("tp"), pipeline_group=ParallelGroup.trivial("pp"),
                 embedding_group=ParallelGroup.trivial("embedding"),
-                _expert_grad_scale=1.0 / dpcp.size)
+                _expert_grad_scale=1.0 / dpcp.size, _expert_norm_groups=norm_groups)
             params = [params[i] for i in dense_idx]
         schedule = isinstance(lr, nn.learning_rate_schedule.LearningRateSchedule)
         beta1, beta2 = check_options(optimizer, zero_stage, betas, eps, weight_decay,
@@ -237,7 +253,11 @@ class DistributedOptimizer(nn.Cell):
             self.k_eager = C.kernels(grp, False)
             self.k_graph = C.kernels(grp, True)
         # Experts: the sum over edp divided by the dp-cp size (GradientFinalizer's rule).
-        self.scale = 1.0 / self.d if _expert_grad_scale is None else float(_expert_grad_scale)
+        # Stage 3: fully_shard's reduce-scatter already gave the dp-cp mean (no second 1/d).
+        if _expert_grad_scale is not None:
+            self.scale = float(_expert_grad_scale)
+        else:
+            self.scale = 1.0 if self.stage == 3 else 1.0 / self.d
 
         # tp / embedding sums: GradientFinalizer with a size-1 dp-cp group.
         tp = _group(tp_group, "get_tensor_parallel_group", "tp")
@@ -255,15 +275,18 @@ class DistributedOptimizer(nn.Cell):
                                          embedding_group=emb, bucket_size_mb=mb)
 
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self._setup_norm(params, tp, pp)
+        self._setup_norm(params, tp, pp, _expert_norm_groups)
         self._setup_hyper(lr, schedule, beta1, beta2, eps, weight_decay, momentum)
         self._setup_state(params)
         for p in all_params:
             p.msdist_optimizer_built = True
 
     # ------------------------------------------------------------------ construction
-    def _setup_norm(self, params, tp, pp):
-        """Which parameters the norm counts on this rank, and the groups it sums over."""
+    def _setup_norm(self, params, tp, pp, expert_groups=None):
+        """Which parameters the norm counts on this rank, and the groups it sums over.
+
+        ``expert_groups``: (etp x ep, pp) of an expert optimizer whose squared norm the
+        dense one adds (every expert shard is distinct over them; tp is size 1 here)."""
         counted = []
         for p in params:
             tp_split = (getattr(p, "tensor_model_parallel", False)
@@ -276,7 +299,11 @@ class DistributedOptimizer(nn.Cell):
             counted.append(bool(keep))
         self.counted = tuple(counted)
         groups = []
-        if self.max_grad_norm is not None:
+        if expert_groups is not None:
+            # Stage 0: every edp rank holds the whole reduced gradient (no sum over edp).
+            groups = [g for g in ((self.group if self.stage > 0 else None),) + tuple(expert_groups)
+                      if g is not None and g.size > 1]
+        elif self.max_grad_norm is not None:
             # Stage 0: every dp-cp rank holds the whole reduced gradient (no sum over it).
             groups = [g for g in ((self.group if self.stage > 0 else None), tp, pp)
                       if g is not None and g.size > 1]
@@ -405,25 +432,36 @@ class DistributedOptimizer(nn.Cell):
         experts = []
         for i in self.expert_index:
             experts.append(grads[i])
-        done = self.expert_optimizer(tuple(experts))
-        return ops.depend(self._step(tuple(dense)), done)
+        if self.max_grad_norm is None:
+            done = self.expert_optimizer(tuple(experts))
+            return ops.depend(self._step(tuple(dense)), done)
+        # One global norm: the dense squares (dp-cp, tp, pp) plus the experts' (edp,
+        # etp x ep, pp), then the same clipping factor for both optimizers.
+        eo = self.expert_optimizer
+        e_shards, e_step, e_lr = eo._prepare(tuple(experts))
+        shards, step, lr = self._prepare(tuple(dense))
+        norm = ops.sqrt(self._sum_squares(shards) + eo._sum_squares(e_shards))
+        coef = ops.minimum(self.max_grad_norm / (norm + 1e-6), 1.0)
+        e_done = eo._write_back(eo._update(_scaled(e_shards, coef), e_step, e_lr))
+        done = self._write_back(self._update(_scaled(shards, coef), step, lr))
+        return ops.depend(ops.depend(norm, done), e_done)
 
-    def _step(self, grads):
+    def _prepare(self, grads):
+        """Count the step; the reduced gradients (state shapes), the step and the lr."""
         self._check_compiled(grads)
         step = self.step + 1
         step = ops.depend(step, ops.assign(self.step, step))
         lr = self._lr(step)
         if self.pre is not None:
             grads = self.pre(grads)
-        shards = self._reduce(grads)
+        return self._reduce(grads), step, lr
+
+    def _step(self, grads):
+        shards, step, lr = self._prepare(grads)
         norm = None
         if self.max_grad_norm is not None:
             norm = self._norm(shards)
-            coef = ops.minimum(self.max_grad_norm / (norm + 1e-6), 1.0)
-            clipped = []
-            for g in shards:
-                clipped.append(g * coef)
-            shards = clipped
+            shards = _scaled(shards, ops.minimum(self.max_grad_norm / (norm + 1e-6), 1.0))
         new = self._update(shards, step, lr)
         done = self._write_back(new)
         if norm is None:
@@ -495,6 +533,11 @@ class DistributedOptimizer(nn.Cell):
 
     def _norm(self, shards):
         """The global L2 norm of the reduced gradients (see Outputs)."""
+        return ops.sqrt(self._sum_squares(shards))
+
+    def _sum_squares(self, shards):
+        """The squared global norm of this optimizer's reduced gradients (summed over its
+        norm groups: the same on every rank)."""
         total = ops.zeros((), mstype.float32)
         for i in range(self.num_params):
             if self.counted[i]:
@@ -505,7 +548,7 @@ class DistributedOptimizer(nn.Cell):
                 total = self.norm_graph[k].all_reduce(total)
             else:
                 total = self.norm_eager[k].all_reduce(total)
-        return ops.sqrt(total.reshape(()))
+        return total.reshape(())
 
     def _update(self, shards, step, lr):
         """The updated fp32 weights (this rank's shards at stages 1-3)."""
@@ -577,3 +620,9 @@ class DistributedOptimizer(nn.Cell):
             done.append(self._assign(i, w.reshape(self.shapes[i])))
         return done
 
+
+def _scaled(shards, coef):
+    out = []
+    for g in shards:
+        out.append(g * coef)
+    return out
