@@ -7,13 +7,17 @@ Run (by hand; a benchmark, not a test):
 One 4-rank msrun launch; this file is also the check module the workers import
 (``bench.moe_dispatch``, ``bench.moe_layer``):
 
-(a) dispatch + combine of the ``alltoall`` dispatcher at ep4 (dropless, 8 experts, top-2,
-    a 16 MiB float32 (E, C, H) dispatch buffer per rank, experts replaced by the identity)
-    against two bare all-to-alls of the same buffer (the dispatch and the combine
-    exchanges alone). Median over ``--iters`` after one warm-up, slowest rank.
+(a) dispatch + combine of the ``alltoall`` dispatcher at ep4 (PyNative, dropless, 8 experts,
+    top-2, 2048 tokens of H 1024 per rank: 16 MiB of real (token, expert) rows, experts
+    replaced by the identity; the layer's own routing, slot sizing and combine) against two
+    bare all-to-alls of the same real bytes (a (tokens * topk, H) buffer). The dispatcher's
+    buffer is ``imbalance`` times that (the slot is the busiest expert's count). Median over
+    ``--iters`` after one warm-up, slowest rank.
 (b) a MoE layer (8 experts, H 256, F 512, top-2, 1024 tokens per rank) at ep4 against the
     same layer on one rank (ep1, each rank alone): forward + backward step time (median,
-    slowest rank) and bytes of Parameters each rank holds.
+    slowest rank), bytes of Parameters each rank holds and bytes its all-to-alls move, each
+    against the cost model's figure (expert shapes + router; ``moe_rows`` at the measured
+    imbalance; the router and expert FLOPs over the ``cpu`` device preset plus its ep rows).
 
 4 ranks on 2 shared cores are oversubscribed: the ratios are what docs/BENCHMARKS.md
 reports ("MoE layer"), not absolute times.
@@ -61,7 +65,7 @@ def _timed(fn, iters):
 
 
 @check("bench.moe_dispatch")
-def moe_dispatch(ctx, iters: int = 5, experts: int = 8, hidden: int = 1024, tokens: int = 512) -> dict:
+def moe_dispatch(ctx, iters: int = 5, experts: int = 8, hidden: int = 1024, tokens: int = 2048) -> dict:
     import numpy as np
     import mindspore as ms
     from mindspore import nn, ops
@@ -80,24 +84,22 @@ def moe_dispatch(ctx, iters: int = 5, experts: int = 8, hidden: int = 1024, toke
     layer.experts = Identity()
     rng = np.random.default_rng(ctx.rank)
     x = ms.Tensor(rng.normal(0, 1, (tokens, hidden)).astype(np.float32))
-    nbytes = experts * tokens * hidden * 4
+    topk = 2
+    real = tokens * topk * hidden * 4
 
     def dispatch_combine():
-        idx, weights, routed, _ = layer.router(x)
-        onehot = ops.one_hot(idx, experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
-        wmap = (onehot * weights.reshape(weights.shape + (1,))).sum(1)
-        buf = x.reshape((1, tokens, hidden)) * routed.T.reshape((experts, tokens, 1))
-        y = layer._experts_alltoall(buf)
-        return (y * wmap.T.reshape((experts, tokens, 1))).sum(0)
+        return layer._route_and_run(x, 1)[0]
 
-    buf = ms.Tensor(rng.normal(0, 1, (experts, tokens, hidden)).astype(np.float32))
+    buf = ms.Tensor(rng.normal(0, 1, (tokens * topk, hidden)).astype(np.float32))
 
     def bare():
         return all_to_all_experts(all_to_all_experts(buf, ep), ep)
 
     t_bare = _timed(bare, iters)
     t_disp = _timed(dispatch_combine, iters)
-    return {"check": "bench.moe_dispatch", "passed": True, "bytes": nbytes,
+    rec = layer.last_dispatch
+    return {"check": "bench.moe_dispatch", "passed": True, "bytes": real,
+            "buffer_bytes": rec["rows"] * hidden * 4, "imbalance": rec["imbalance"],
             "bare_s": t_bare, "dispatch_combine_s": t_disp, "ratio": t_disp / t_bare}
 
 
@@ -131,10 +133,43 @@ def moe_layer(ctx, iters: int = 5, experts: int = 8, hidden: int = 256, ffn: int
         step = _timed(lambda: grad(x)[1], iters)
         held = sum(int(np.prod(p.shape)) * 4 for p in layer.get_parameters())
         expert_bytes = sum(int(np.prod(p.shape)) * 4 for p in params if getattr(p, "expert_parallel", False))
+        rec = dict(layer.last_dispatch)
         records.append({"check": "bench.moe_layer", "passed": True, "ep": ep, "step_s": step,
-                        "bytes_held": held, "expert_bytes": expert_bytes})
+                        "bytes_held": held, "expert_bytes": expert_bytes, "dispatch": rec,
+                        **_priced(cfg, tokens, ep, rec["imbalance"])})
         manager.destroy_parallel()
     return records
+
+
+def _priced(cfg, tokens: int, ep: int, imbalance: float) -> dict:
+    """The cost model's figures for one MoE layer (no attention) at ``ep`` on the ``cpu`` preset:
+    Parameter bytes per rank (its expert shapes + the router), bytes the four ep all-to-alls
+    send per step (``moe_rows``) and the step: 3x the forward FLOPs of the router and the
+    experts (at ``imbalance``) over the preset's FLOP/s, plus the ep rows' alpha-beta time."""
+    from math import prod
+
+    from mindscience.distributed.costmodel.comm import moe_rows
+    from mindscience.distributed.costmodel.params import expert_shapes, mlp_fc1_width
+    from mindscience.distributed.costmodel.spec import ClusterSpec, ModelSpec, TrainingSpec
+    from mindscience.distributed.costmodel.steptime import (collective_seconds, layer_forward_flops,
+                                                            moe_layer_forward_flops)
+
+    model = ModelSpec(num_layers=1, hidden_size=cfg.hidden_size, num_attention_heads=1, seq_length=tokens,
+                      vocab_size=0, ffn_hidden_size=cfg.ffn_hidden_size, num_moe_experts=cfg.num_experts,
+                      moe_router_topk=cfg.topk)
+    training = TrainingSpec(micro_batch_size=1, precision="fp32", moe_imbalance=max(imbalance, 1.0))
+    cluster = ClusterSpec(device="cpu")
+    held = 4 * (sum(prod(shape) for shape, _ in expert_shapes(model, 1, ep)) + cfg.num_experts * cfg.hidden_size)
+    rows = moe_rows(model, training, 1, 1, ep, 1, passes=1, again=0)
+    # The MoE FFN alone: the MoE layer's linear FLOPs minus the dense layer's, plus its MLP.
+    h = cfg.hidden_size
+    ffn = (moe_layer_forward_flops(model, tokens, tokens, training.moe_imbalance)["linear"]
+           - layer_forward_flops(model, tokens, tokens)["linear"]
+           + 2 * tokens * h * (mlp_fc1_width(model) + model.ffn_hidden_size))
+    compute = 3 * ffn / cluster.effective_flops
+    comm = collective_seconds(rows, "ep", cluster, False)
+    return {"priced_bytes_held": held, "priced_moved": sum(r["bytes"] for r in rows if r["group"] == "ep"),
+            "priced_compute_s": compute, "priced_ep_s": comm, "priced_step_s": compute + comm}
 
 
 def _slowest(records, key):
@@ -162,20 +197,28 @@ def main(argv=None) -> int:
     print(f"{WORLD} ranks, wall {wall:.0f} s, load {load_before} -> {load_after}")
     d = [r for r in recs if r["check"] == "bench.moe_dispatch"]
     print()
-    print(f"(a) ep4, {d[0]['bytes'] / 2**20:.0f} MiB dispatch buffer per rank (slowest rank, median of {args.iters})")
-    print("| dispatch + combine s | 2 bare all-to-alls s | ratio |")
-    print("|---|---|---|")
+    print(f"(a) ep4, {d[0]['bytes'] / 2**20:.0f} MiB of real rows per rank (slowest rank, median of {args.iters})")
+    print("| dispatch + combine s | 2 bare all-to-alls of the real bytes s | ratio | dispatch buffer MiB (max rank) "
+          "| imbalance (max rank) |")
+    print("|---|---|---|---|---|")
     disp, bare = _slowest(d, "dispatch_combine_s"), _slowest(d, "bare_s")
-    print(f"| {disp:.3f} | {bare:.3f} | {disp / bare:.2f}x |")
+    print(f"| {disp:.3f} | {bare:.3f} | {disp / bare:.2f}x | {_slowest(d, 'buffer_bytes') / 2**20:.2f} "
+          f"| {_slowest(d, 'imbalance'):.3f} |")
     lay = [r for r in recs if r["check"] == "bench.moe_layer"]
     print()
-    print("(b) MoE layer (8 experts, H 256, F 512, top-2, 1024 tokens/rank), forward+backward")
-    print("| ep | step s (slowest rank) | Parameter bytes per rank | expert bytes | expert bytes x ep |")
-    print("|---|---|---|---|---|")
+    print("(b) MoE layer (8 experts, H 256, F 512, top-2, 1024 tokens/rank), forward+backward, cost model "
+          "with the cpu preset at the measured imbalance (max over ranks)")
+    print("| ep | step s (slowest rank) | predicted s | measured / predicted | Parameter bytes per rank | "
+          "priced | all-to-all bytes per rank and step | priced | imbalance |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for ep in (1, 4):
         sel = [r for r in lay if r["ep"] == ep]
-        print(f"| {ep} | {_slowest(sel, 'step_s'):.3f} | {max(r['bytes_held'] for r in sel):,} | "
-              f"{max(r['expert_bytes'] for r in sel):,} | {max(r['expert_bytes'] for r in sel) * ep:,} |")
+        busy = max(sel, key=lambda r: r["dispatch"]["imbalance"])
+        step = _slowest(sel, "step_s")
+        moved = max(r["dispatch"]["step_all_to_all_bytes"] for r in sel)
+        print(f"| {ep} | {step:.3f} | {busy['priced_step_s']:.3f} | {step / busy['priced_step_s']:.2f} | "
+              f"{max(r['bytes_held'] for r in sel):,} | {busy['priced_bytes_held']:,} | {moved:,} | "
+              f"{busy['priced_moved']:,} | {busy['dispatch']['imbalance']:.3f} |")
     return 0
 
 
