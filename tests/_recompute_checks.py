@@ -334,6 +334,45 @@ def _rel_err(got, want) -> float:
                for a, b in zip(got, want))
 
 
+def _compile_stages(cell, p, i, schedules, recomputes, tp_cp, x0, t0):
+    """Compile every jit stage function this rank will run, here, with only its tp peers.
+
+    A stage compiling at its first call inside the pipeline keeps its neighbour waiting in a
+    transfer, and MindSpore's CPU collectives give up after ~55 s (on a loaded machine a
+    few graphs take that long): GPTModel._compile_stages does the same.
+    """
+    import mindspore as ms
+    from mindspore import ops
+
+    from mindscience.distributed.pipeline.stage_fns import stage_fns
+
+    done = set()
+    for schedule in schedules:
+        v = _PIPE_SCHEDULES[schedule]
+        stages = p * v
+        for recompute in recomputes:
+            marked = recompute == "selective"
+            kept = recompute != "full" and tp_cp == 1
+            for c in range(v):
+                k = c * p + i
+                first, last = k == 0, k == stages - 1
+                key = (k, marked, first, last, kept)
+                if key in done:
+                    continue
+                done.add(key)
+                fns = stage_fns(cell(k, marked, "jit"), _pipe_loss, "jit", first, last)
+                x = ms.Tensor(x0)
+                if last:
+                    fns.loss(x, ms.Tensor(t0), ms.Tensor(0.0, ms.float32), fns.zeros(),
+                             ops.zeros((), ms.float32))
+                elif kept:
+                    y, pending = fns.keep(x)
+                    fns.backward_kept(pending, ops.zeros(y.shape, y.dtype), fns.zeros())
+                else:
+                    y = fns.forward(x)
+                    fns.backward(x, ops.zeros(y.shape, y.dtype), fns.zeros())
+
+
 # schedule -> chunks per rank (v)
 _PIPE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved": 2}
 
@@ -407,6 +446,9 @@ def recompute_pipeline(ctx: CheckContext, modes=("pynative", "jit"),
         # one: MindSpore's CPU collectives of two groups out of step mix their messages.
         from mindspore import mint as _mint
         _mint.distributed.all_reduce(ms.Tensor(np.ones(1, np.float32)))
+        if "jit" in modes:
+            _compile_stages(cell, p, i, schedules, recomputes, tp_cp, xs[0], ts[0])
+            _mint.distributed.all_reduce(ms.Tensor(np.ones(1, np.float32)))
         records = []
         for mode in modes:
             for schedule in schedules:
