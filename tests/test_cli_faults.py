@@ -3,9 +3,12 @@
 
 In-process first (no rank launched): the fault switch, the checkpoint folder's bookkeeping, the
 rendezvous, the signal guard, a background save, and the restart loop with the launcher patched.
-Then end to end on CPU ranks, every loss compared with an uninterrupted one-rank run of the same
-six steps computed in this process (any two layouts agree within 1e-5); the launches are shared
-between the cases (see docs/faults.md, "What the tests run"):
+Then end to end on CPU ranks, every loss compared with the first six steps of an uninterrupted
+one-rank run (any two layouts agree within 1e-5), which is also the SIGTERM case; the launches are
+shared between the cases (see docs/faults.md, "What the tests run"):
+
+* 1 rank, the reference: SIGTERM to msdist train itself after step 6 (passed on to the rank, which
+  saves its step: exit 3): 1 launch;
 
 * tp2 x dp2: ``exit`` of rank 1 at step 1 (before the first checkpoint: restart from 0), then
   ``kill`` of rank 1 at step 3 in the relaunch (restart from step 2): 3 launches;
@@ -14,7 +17,6 @@ between the cases (see docs/faults.md, "What the tests run"):
 * dp2: ``term`` of rank 1 at step 3 with --async-save (every rank saves step 3, exit 3), then the
   resume with ``save-kill`` of rank 1 while step 4's checkpoint is written in the background
   (restart from step 3) and --keep-last 2: 3 launches;
-* 1 rank: SIGTERM to msdist train itself after step 2 (passed on to the rank: exit 3): 1 launch;
 * 2 loopback nodes x 2 ranks at tp2 x dp2, node 1 gone after step 3, --elastic: 2 launches.
 """
 
@@ -311,20 +313,50 @@ def test_elastic_picks_suggests_layout_for_the_devices_left():
 MODE = "pynative"
 
 
+def stop_after(status, step: int, sent: threading.Event) -> None:
+    """Send SIGTERM to this process (where msdist train's signal guard runs) once the rank
+    whose status file is ``status`` has finished ``step``."""
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and not sent.is_set():
+        try:
+            records = json.loads(status.read_text()).get("records", [])
+        except (OSError, ValueError):
+            records = []
+        if any((r.get("train_step") or 0) >= step for r in records):
+            sent.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
-def reference():
-    """The uninterrupted run: six steps of tiny-gpt at one rank, in this process."""
-    import mindspore as ms
+def signalled(tmp_path_factory):
+    """The uninterrupted run: msdist train of tiny-gpt at one rank for up to 20 steps, stopped by a
+    SIGTERM to msdist train itself once step 6 is done (the signal is passed on to the rank, which
+    finishes its step, saves it and stops: exit 3). Its first six losses are the reference."""
+    tmp_path = tmp_path_factory.mktemp("signalled")
+    one = layout_file(tmp_path, "one", 1)
+    save, logs = tmp_path / "ckpt", tmp_path / "logs"
+    sent = threading.Event()
+    watcher = threading.Thread(target=stop_after, args=(logs / "results" / "rank_0.json", STEPS, sent),
+                               daemon=True)
+    watcher.start()
+    try:
+        result = invoke(one, "--model", "tiny-gpt", "--steps", 20, "--save", save, "--mode", MODE,
+                        "--format", "json", "--log-dir", logs)
+    finally:
+        sent.set()
+        watcher.join(5)
+    assert result.exit_code == 3, result.output[-3000:]
+    assert_nothing_left(tmp_path)
+    return json.loads(result.stdout), save
 
-    from mindscience.distributed.topology.layout import Layout
-    from mindscience.distributed.training.loop import Trainer
-    from mscli.commands.train import model_and_options
 
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    workload, opts = model_and_options(Layout(world_size=1), "tiny-gpt", steps=STEPS, mode=MODE)
-    trainer = Trainer(workload.model, workload.training, opts)
-    want = [trainer.train_step(k)["loss"] for k in trainer.remaining_steps()]
-    assert len(set(want)) == STEPS
+@pytest.fixture(scope="module")
+def reference(signalled):
+    report, _ = signalled
+    want = [s["loss"] for s in report["steps"]][:STEPS]
+    assert len(want) == STEPS and len(set(want)) == STEPS
     return want
 
 
@@ -431,44 +463,16 @@ def test_sigterm_saves_every_rank_then_async_resume_survives_a_kill_during_the_w
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_msdist_train_stops_after_a_step_with_it_saved(tmp_path):
-    """SIGTERM to msdist train itself (as a scheduler sends it), once rank 0 has finished step 2:
-    passed on to the rank, which finishes its step, saves it and stops; exit 3."""
-    one = layout_file(tmp_path, "one", 1)
-    save, logs = tmp_path / "ckpt", tmp_path / "logs_s"
-    status = logs / "results" / "rank_0.json"
-    sent = threading.Event()
-
-    def signal_after_step_2():
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not sent.is_set():
-            try:
-                records = json.loads(status.read_text()).get("records", [])
-            except (OSError, ValueError):
-                records = []
-            if any(r.get("train_step", 0) >= 2 for r in records):
-                sent.set()
-                os.kill(os.getpid(), signal.SIGTERM)  # the guard of msdist train, in this process
-                return
-            time.sleep(0.1)
-
-    watcher = threading.Thread(target=signal_after_step_2, daemon=True)
-    watcher.start()
-    try:
-        result = invoke(one, "--model", "tiny-gpt", "--steps", 20, "--save", save, "--mode", MODE,
-                        "--format", "json", "--log-dir", logs)
-    finally:
-        sent.set()
-        watcher.join(5)
-    assert result.exit_code == 3, result.output[-3000:]
-    report = json.loads(result.stdout)
+def test_sigterm_to_msdist_train_stops_after_a_step_with_it_saved(signalled):
+    """The reference run (see ``signalled``): stopped on the SIGTERM msdist train got after step 6,
+    with the step it stopped after saved."""
+    report, save = signalled
     step = report["stopped"]["step"]
-    assert 2 < step < 20 and report["stopped"]["signal"] == signal.SIGTERM
+    assert STEPS < step < 20 and report["stopped"]["signal"] == signal.SIGTERM
     assert report["stopped"]["saved"] == str(save / f"step_{step}")
     assert [s["step"] for s in report["steps"]] == list(range(1, step + 1))
     assert json.loads((save / f"step_{step}" / "manifest.json").read_text())["step"] == step
     assert os.listdir(save) == [f"step_{step}"]
-    assert_nothing_left(tmp_path)
 
 
 @pytest.mark.multiprocess
