@@ -7,7 +7,8 @@ rank, E experts, C slots per expert, L = E/ep local experts):
    communication; the tp ranks hold the same tokens, each routes its share).
 2. router statistics: all-reduce of ``[counts, dropped, sums]`` over tp (2E+2 floats),
    then over dp-cp (``aux_loss``) or cp (``seq_aux_loss``) when a loss is on.
-3. dispatch: all-to-all over ep of the (E, C, H) buffer; etp > 1: all-gather over etp.
+3. dispatch: (PyNative dropless: all-gather of the E per-expert counts over etp x ep, which
+   sizes C) all-to-all over ep of the (E, C, H) buffer; etp > 1: all-gather over etp.
 4. experts: one batched matmul each way over the L local experts.
 5. combine: etp > 1: reduce-scatter over etp; all-to-all over ep back to (E, C, H).
 6. tp > 1 without sequence parallelism: all-gather of the sequence over tp.
