@@ -121,7 +121,8 @@ def dispatched_tokens(model: ModelSpec, training: TrainingSpec, tp: int, cp: int
     A rank routes its ``s/cp * b / tp`` tokens (sequence parallelism shards them over tp) to
     ``topk`` experts each; balanced over the ``ep`` ranks it receives as many as it sent,
     and the etp all-gather brings the etp ranks' together: ``s/cp * b / tp * topk * etp``,
-    times ``training.moe_imbalance`` (>= 1: the busiest rank's load over the mean).
+    times ``training.moe_imbalance`` (>= 1: the busiest rank's load over the mean), or
+    ``num_experts/topk`` with ``moe_static_slots`` (:func:`~.moe_spec.dispatch_imbalance`).
     """
     tokens = model.seq_length // cp * training.micro_batch_size / tp
     return tokens * model.moe_router_topk * etp * dispatch_imbalance(model, training)
