@@ -100,7 +100,7 @@ def check_model(workload, layout) -> None:
     from mindscience.distributed.models.config import TransformerConfig
 
     check(workload.model, workload.training, layout, workload.source)
-    TransformerConfig.from_model_spec(workload).check_layout(layout.tp, layout.cp, layout.pp)
+    TransformerConfig.from_model_spec(workload).check_layout(layout.tp, layout.cp, layout.pp, layout.ep, layout.etp)
 
 
 def model_and_options(layout, model: str, **flags) -> tuple:

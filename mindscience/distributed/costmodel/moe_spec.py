@@ -128,3 +128,27 @@ def dispatch_imbalance(model, training) -> float:
             and model.moe_token_dispatcher_type == "alltoall"):
         return model.num_moe_experts / model.moe_router_topk
     return training.moe_imbalance
+
+
+def dispatch_notes(model, training) -> list:
+    """What the cost model assumed about the MoE dispatch, when compiled mode runs it otherwise.
+
+    The dropless ``alltoall`` dispatcher sizes its expert slots from the real per-expert counts
+    in PyNative, and uses static slots of all of a rank's tokens per expert when compiled
+    (``ms.jit``, GRAPH_MODE). Priced dynamic (``moe_static_slots: false``), the estimate holds for
+    PyNative only, so say so; ``msdist train --mode jit`` prices the static slots itself.
+
+        >>> from types import SimpleNamespace as N
+        >>> m = N(is_moe=True, num_moe_experts=8, moe_router_topk=2, moe_expert_capacity_factor=None,
+        ...       moe_token_dispatcher_type="alltoall")
+        >>> len(dispatch_notes(m, N(moe_static_slots=False))), dispatch_notes(m, N(moe_static_slots=True))
+        (1, [])
+    """
+    if (not getattr(model, "is_moe", False) or getattr(training, "moe_static_slots", False)
+            or model.moe_expert_capacity_factor is not None or model.moe_token_dispatcher_type != "alltoall"):
+        return []
+    ratio = model.num_moe_experts / model.moe_router_topk
+    return [f"MoE dispatch: priced as PyNative runs it (expert slots sized from the real token counts); "
+            f"compiled (ms.jit, GRAPH_MODE) the dropless all-to-all uses static slots of every local token "
+            f"per expert, {ratio:g}x the rows (num_experts / topk): set training.moe_static_slots: true to "
+            "price that (msdist train --mode jit does), or a capacity factor."]

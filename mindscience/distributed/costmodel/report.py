@@ -21,6 +21,7 @@ from ..topology.plan import DEFAULT_HCCL_BUFFSIZE_MB, RUNTIME_KEYS, memory_estim
 from .comm import crossing_flags, timed, traffic
 from .constraints import check
 from .errors import ModelError
+from .moe_spec import dispatch_notes
 from .memory import num_microbatches, pipeline_bubble, stage_rows, total_parameters
 from .params import active_parameters
 from .params import rank_layers
@@ -104,6 +105,7 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
     ep, etp = expert_axes(layout)
     configured = training
     training, runtime, notes = what_runs(training, *sizes)
+    notes = notes + dispatch_notes(model, training)
     stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb), runtime, ep, etp)
     busiest = stage_slot_flops(model, training, layout.tp, layout.cp, layout.pp, runtime)["stage"]
     rows = traffic(model, training, *sizes, runtime, busiest, ep, etp)

@@ -38,6 +38,7 @@ from .constraints import dense_violations, expert_violations
 from .errors import ModelError
 from .report import communicator_bytes
 from .memory import stage_rows
+from .moe_spec import dispatch_notes
 from .runtime import what_runs
 from .spec import DEFAULT_DEVICES_PER_NODE, GIB, Workload
 from .steptime import stage_slot_flops, step_time
@@ -314,6 +315,7 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
                     layout = _expert_layout(world_size, tp, cp, pp, devices_per_node, ep, etp, model.is_moe)
                     buffers = communicator_bytes(layout, buffsize_mb)
                 priced, runtime, notes = what_runs(train, tp, cp, pp, dp)
+                notes = notes + dispatch_notes(model, priced)
                 stages = stage_rows(model, priced, tp, cp, pp, dp, buffers, runtime, ep, etp)
                 peak = max(s["total_bytes"] for s in stages)
                 if peak > device:

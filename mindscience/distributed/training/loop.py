@@ -49,7 +49,9 @@ def training_spec(base, opts: TrainOptions):
     """The model file's TrainingSpec ``base`` with the run's options over it."""
     return replace(base, micro_batch_size=opts.micro_batch_size, global_batch_size=opts.global_batch_size,
                    precision=opts.precision, recompute=opts.recompute, zero_stage=opts.zero_stage,
-                   distributed_optimizer=opts.zero_stage >= 1)
+                   distributed_optimizer=opts.zero_stage >= 1,
+                   # compiled MoE dispatch runs static expert slots (moe.MoELayer): price what runs
+                   moe_static_slots=base.moe_static_slots or opts.mode != "pynative")
 
 
 def _global_rank() -> int:
