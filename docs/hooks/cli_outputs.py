@@ -180,7 +180,8 @@ def check_excerpt(command: str, fence: str, body: list, cwd: str, where: str = "
         if code != 0:
             raise OutputError(f"{where}: `{part}` exited {code}:\n" + "\n".join(printed[-20:]))
     if fence.strip("`").strip().startswith("json"):
-        real = _flatten(json.loads("\n".join(printed)), {})
+        # stdout only: the ``msdist:`` diagnostics of stderr follow the JSON
+        real = _flatten(json.loads("\n".join(line for line in printed if not line.startswith("msdist: "))), {})
         for key, shown in _json_pairs("\n".join(body)):
             if not any(_same(shown, v) for v in real.get(key, [])):
                 raise OutputError(f"{where}: `{command}` shows \"{key}\": {shown}, the real output has "

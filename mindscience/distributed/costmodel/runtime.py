@@ -120,6 +120,12 @@ def what_runs(training: TrainingSpec, tp: int, cp: int, pp: int, dp: int) -> tup
         notes.append("training.overlap_grad_reduce: the library reduces the dp-cp gradients after the backward "
                      "(DistributedOptimizer.step / GradientFinalizer), not during it; priced as not overlapped.")
         training = replace(training, overlap_grad_reduce=False)
+    if not stage_recompute and pp > 1 and (tp > 1 or cp > 1 or training.zero_stage == 3):
+        # pipeline.recompute.runtime_recompute(mode="jit", model_parallel > 1) forces "full".
+        notes.append("compiled mode: the pipeline is priced with kept stage forwards, as PyNative runs "
+                     "them; compiled (ms.jit, msdist train's default) a stage holding collectives (tp, cp, "
+                     "ep, fully_shard) recomputes its forward in the backward instead (one more forward "
+                     "of every stage but the last).")
     if training.zero_stage == 3 and d > 1:
         again = " and again before each re-run forward" if stage_recompute else ""
         notes.append(f"zero_stage 3: fully_shard (reshard_after_forward=False) all-gathers every parameter "
