@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import re
 
-from mkdocs.structure.files import File
 
 PAGE = "cli.md"
 
@@ -83,5 +82,8 @@ def render() -> str:
 
 
 def on_files(files, config):
+    # imported here: the tests render the page with the test extra only (no mkdocs)
+    from mkdocs.structure.files import File
+
     files.append(File.generated(config, PAGE, content=render()))
     return files
