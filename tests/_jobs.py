@@ -181,3 +181,22 @@ def family_view(result, start: int, stop: int):
 def launches() -> list:
     """``[(family names, LaunchResult)]`` of the launches made so far (for reports)."""
     return list(_LAUNCHES)
+
+
+def records_of(result, check: str, with_rank: bool = False) -> list:
+    """Every rank's records of ``check``, rank by rank (each tagged ``"rank"`` when asked)."""
+    out = []
+    for rank, state in sorted(result.ranks.items()):
+        for record in (state or {}).get("records", []):
+            if record.get("check") == check:
+                out.append({**record, "rank": int(rank)} if with_rank else record)
+    return out
+
+
+def describe_failures(result, tail: int = 25) -> str:
+    """A launch's failures for an assertion message: each rank's reason and its log's last lines."""
+    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
+    for failure in result.failures:
+        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
+        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-tail:])
+    return "\n".join(lines)
