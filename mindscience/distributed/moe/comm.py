@@ -26,7 +26,7 @@ from __future__ import annotations
 from mindspore import nn, ops
 
 from .. import collectives as C
-from ..collectives import compiling
+from ..mappings import _cell  # the mappings' cache of Cells per (class, group, params, mode)
 
 __all__ = ["all_to_all_experts", "all_to_all_v", "reduce_for_loss"]
 
@@ -66,19 +66,6 @@ class _ReduceForLoss(_Comm):
         if self.scale != 1.0:
             g = g * self.scale
         return (g,)
-
-
-_CELLS: dict = {}
-
-
-def _cell(cls, g, scale):
-    compiled = compiling()
-    key = (cls, g, scale, compiled)
-    cell = _CELLS.get(key)
-    if cell is None:
-        cell = cls(g, scale, compiled)
-        _CELLS[key] = cell
-    return cell
 
 
 def all_to_all_experts(x, group):
