@@ -59,6 +59,27 @@ def test_softmax_after_topk_is_megatrons_default():
     np.testing.assert_allclose(sums[E], (lse ** 2).sum(), rtol=1e-5)
 
 
+def test_router_from_keywords_or_a_model_config_routes_as_from_its_moe_config():
+    import mindspore as ms
+
+    from mindscience.distributed.models import TransformerConfig
+    from mindscience.distributed.moe import TopKRouter
+
+    cfg, router, w, x = _router(topk=2, score_function="sigmoid")
+    by_keywords = TopKRouter(hidden_size=H, num_experts=E, topk=2, score_function="sigmoid")
+    by_keywords.weight.set_data(ms.Tensor(w))
+    for got, want in zip(_run(by_keywords, x), _run(router, x)):
+        np.testing.assert_array_equal(got, want)
+    model = TransformerConfig.from_model_spec("tiny-moe")
+    from_model = TopKRouter(model)
+    assert from_model.weight.shape == (model.num_moe_experts, model.hidden_size)
+    assert from_model.topk == model.moe_router_topk
+    with pytest.raises(MoEConfigError, match="topk=9"):
+        TopKRouter(hidden_size=H, num_experts=E, topk=9)
+    with pytest.raises(TypeError, match="not both"):
+        TopKRouter(cfg, topk=2)
+
+
 def test_pre_softmax_and_scaling_factor():
     cfg, router, w, x = _router(topk=3, pre_softmax=True, topk_scaling_factor=2.5)
     idx, weights, _, _ = _run(router, x)

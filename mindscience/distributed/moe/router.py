@@ -38,7 +38,10 @@ class TopKRouter(nn.Cell):
     """Top-k gating (see the module docstring) with Parameter ``weight`` (E, H).
 
     Args:
-        config: The layer's :class:`MoEConfig`.
+        config: The layer's :class:`MoEConfig`, or a model config with the ``moe_*`` keys
+            (``TransformerConfig``); None to build one from ``options``.
+        **options: :class:`MoEConfig` fields when ``config`` is None, e.g.
+            ``TopKRouter(hidden_size=64, num_experts=8, topk=2, score_function="sigmoid")``.
 
     Inputs:
         x: ``(N, H)`` tokens (N may be 0 only in PyNative).
@@ -54,8 +57,16 @@ class TopKRouter(nn.Cell):
         ``(1,)`` z sum.
     """
 
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config=None, **options):
         super().__init__()
+        if config is None:  # TopKRouter(hidden_size=64, num_experts=8, topk=2, ...)
+            # the router has no experts' width: any valid one will do for its config
+            config = MoEConfig(**{"ffn_hidden_size": options.get("hidden_size"), **options})
+        elif options:
+            raise TypeError(f"TopKRouter: pass either a config or keyword options, not both "
+                            f"(got a config and {sorted(options)}).")
+        elif not isinstance(config, MoEConfig):  # a TransformerConfig / ModelSpec with moe_* keys
+            config = MoEConfig.from_model(config)
         self.config = config
         self.num_experts = config.num_experts
         self.topk = config.topk
