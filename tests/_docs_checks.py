@@ -181,6 +181,10 @@ def _pipeline_names(m=4):
     return {"stage": stage, "inputs": inputs, "targets": targets, "loss_fn": loss_fn}
 
 
+def setup_recompute_rules(ctx):
+    return {}  # the snippet imports what it asks
+
+
 def setup_pipeline_recompute(ctx):
     return _pipeline_names()
 
@@ -282,6 +286,7 @@ AFTER = {
     "pipeline-recompute": lambda ns: {"what_ran": ns["last_recompute"]()[0],
                                       "would_run": ns["runtime_recompute"]("1f1b", "pynative", "full", pp=1)[0]},
     "pipeline-runtime": lambda ns: {"loss_finite": _finite(ns["loss"])},
+    "recompute-rules": lambda ns: {"kept": ns["kept"], "forced": ns["forced"]},
     "checkpoint": lambda ns: {"loaded_step": ns["info"]["step"]},  # "step" is the harness's
     "gpt": lambda ns: {"loss_finite": _finite(ns["loss"])},
 }

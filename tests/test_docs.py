@@ -90,6 +90,8 @@ def test_snippets_keep_what_their_comments_say(snippet_job):
         assert r["loss_finite"] and r["out_shape"] == [2, 2, 4, 8] and r["y_shape"] == [2, 2, 1024]
     for r in by_setup["pipeline-recompute"]:
         assert (r["what_ran"], r["would_run"]) == ("none", "none")
+    for r in by_setup["recompute-rules"]:
+        assert (r["kept"], r["forced"]) == ("selective", "full")
     for r in by_setup["checkpoint"]:
         assert r["loaded_step"] == 100
     for name in ("pipeline-runtime", "gpt", "finalizer-net"):  # finalizer-net: its jit train_step, called
