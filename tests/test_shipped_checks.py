@@ -57,6 +57,8 @@ def _verify_and_train_checks() -> set:
         names |= _spec_names(vr.build_spec(Layout(world_size=8, tp=2, cp=2, pp=2),
                                            kinds=vr.CHECK_KINDS, modes=modes))
     names |= _spec_names(vr.build_spec(Layout(world_size=2), kinds=vr.CHECK_KINDS))
+    # experts split (ep > 1): the moe family and the all-to-all bandwidth rows
+    names |= _spec_names(vr.build_spec(Layout(world_size=4, tp=2, ep=2), kinds=vr.CHECK_KINDS))
     names |= {verify.parse_fault(text)["name"] for text in ("crash:0", "hang:0:5")}
     layout = Layout(world_size=4, tp=2)
     names.add(verify.model_check(layout, "tiny-gpt")["name"])
