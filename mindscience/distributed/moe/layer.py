@@ -100,9 +100,14 @@ class MoELayer(nn.Cell):
     Args:
         config: A :class:`MoEConfig`, or a ``TransformerConfig`` / ``ModelSpec`` with the
             ``moe_*`` keys (:meth:`MoEConfig.from_model`).
-        ep_group, etp_group, tp_group, dp_cp_group, cp_group, dispatch_group: The groups
-            (default: the manager's; see :func:`expert_groups`). The dispatch group is
-            etp x ep (Megatron's folding: the etp ranks of one ep rank are consecutive).
+        ep_group: The expert-model-parallel group (default: the manager's; see
+            :func:`expert_groups`, as for every group below).
+        etp_group: The expert tensor-parallel group.
+        tp_group: The dense tensor-parallel group (sequence-parallel inputs).
+        dp_cp_group: The dense data x context group (the aux loss's sums).
+        cp_group: The context-parallel group.
+        dispatch_group: The etp x ep group tokens are exchanged in (Megatron's folding:
+            the etp ranks of one ep rank are consecutive).
         compute_dtype: Dtype of the shared experts' matmuls.
 
     Inputs:

@@ -170,7 +170,8 @@ def aux_loss_from_sums(num_experts: int, topk: int, aux_coeff: float, z_coeff: f
     """The layer's aux + z loss from the GLOBAL sums (every rank sharing the loss added).
 
     Args:
-        num_experts, topk: E and k.
+        num_experts: E, the routed experts.
+        topk: k, the experts each token is sent to.
         aux_coeff: ``aux_loss_coeff`` (0 when the balancing type is ``none``).
         z_coeff: ``z_loss_coeff``.
         seq_aux: ``seq_aux_loss`` (per-sequence sums) rather than ``aux_loss``.

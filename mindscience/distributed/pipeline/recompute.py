@@ -97,12 +97,12 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
 
         * ``recompute="full"``: ``"full"``;
         * one model stage (``pp * virtual_stages == 1``): the request, ``"full"`` read
-          as ``"none"`` (loss and gradients in one pass, nothing recomputed);
+            as ``"none"`` (loss and gradients in one pass, nothing recomputed);
         * ``"none"``/``"selective"`` in PyNative, and under jit with
-          ``model_parallel == 1``: the request (every schedule keeps its forwards and
-          back-propagates them in its own order);
+            ``model_parallel == 1``: the request (every schedule keeps its forwards and
+            back-propagates them in its own order);
         * ``"none"``/``"selective"`` under jit with ``model_parallel > 1``: ``"full"``
-          (forced, measured, see the module docstring).
+            (forced, measured, see the module docstring).
 
     Raises:
         RecomputeError: an unknown value, or a size < 1.
