@@ -193,6 +193,23 @@ def _prepare_run_dir(log_dir: Optional[str], spec: dict) -> tuple:
     return run_dir, out_dir, spec_path
 
 
+def _remove_half_written(out_dir) -> None:
+    """Delete the status files a rank was writing when it was killed.
+
+    A worker writes ``rank_N.json.<pid>.tmp`` and renames it over ``rank_N.json``; a rank
+    stopped between the two leaves the temporary file behind. Nothing reads it (the
+    rename never happened), so once every process is gone it is only litter.
+    """
+    if not out_dir or not os.path.isdir(out_dir):
+        return
+    for name in os.listdir(out_dir):
+        if name.endswith(".tmp"):
+            try:
+                os.remove(os.path.join(out_dir, name))
+            except FileNotFoundError:
+                pass
+
+
 def _run_job(*, job_id, start, expected, whole_world, out_dir, log_dirs, launcher_logs,
              timeout, on_progress, total) -> dict:
     """Start the job's processes, watch them, and always stop them all.
@@ -217,6 +234,8 @@ def _run_job(*, job_id, start, expected, whole_world, out_dir, log_dirs, launche
     finally:
         stopped = any(p.poll() is None for p in launchers)
         left = stop_job(job_id, launchers + helpers)
+        if not left:
+            _remove_half_written(out_dir)
     monitor.read_states(force=True)
     monitor.read_exit_codes()
     codes = [p.returncode for p in launchers]
