@@ -183,12 +183,14 @@ def launches() -> list:
     return list(_LAUNCHES)
 
 
-def records_of(result, check: str, with_rank: bool = False) -> list:
-    """Every rank's records of ``check``, rank by rank (each tagged ``"rank"`` when asked)."""
+def records_of(result, check: str, with_rank: bool = False, prefix: bool = False) -> list:
+    """Every rank's records of ``check`` (of every check starting with it when ``prefix``),
+    rank by rank (each tagged ``"rank"`` when asked)."""
     out = []
     for rank, state in sorted(result.ranks.items()):
         for record in (state or {}).get("records", []):
-            if record.get("check") == check:
+            name = record.get("check") or ""
+            if name == check or (prefix and name.startswith(check)):
                 out.append({**record, "rank": int(rank)} if with_rank else record)
     return out
 

@@ -100,18 +100,9 @@ def run_job():
 
 
 def describe_failures(result) -> str:
-    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
-    for failure in result.failures:
-        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
-        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-15:])
-    return "\n".join(lines)
+    return _jobs.describe_failures(result, tail=15)
 
 
 def records_of(result, check_prefix: str) -> list:
     """Every rank's records of the checks whose name starts with ``check_prefix``."""
-    out = []
-    for rank, state in sorted(result.ranks.items()):
-        for record in (state or {}).get("records", []):
-            if record.get("check", "").startswith(check_prefix):
-                out.append(record)
-    return out
+    return _jobs.records_of(result, check_prefix, prefix=True)

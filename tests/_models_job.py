@@ -95,18 +95,9 @@ def run_job8():
 
 
 def describe_failures(result) -> str:
-    lines = [f"launch ok={result.ok} timed_out={result.timed_out} logs: {result.log_dir}"]
-    for failure in result.failures:
-        lines.append(f"rank {failure['rank']} {failure['kind']}: {failure['reason']}")
-        lines.extend("    " + line for line in (failure.get("log_tail") or "").splitlines()[-25:])
-    return "\n".join(lines)
+    return _jobs.describe_failures(result, tail=25)
 
 
 def records_of(result, check: str) -> list:
     """Every rank's records of ``check``."""
-    out = []
-    for _, state in sorted(result.ranks.items()):
-        for record in (state or {}).get("records", []):
-            if record.get("check") == check:
-                out.append(record)
-    return out
+    return _jobs.records_of(result, check)
