@@ -87,7 +87,7 @@ def test_buckets_split_by_size_and_dtype_and_keep_order():
 
 @pytest.mark.parametrize("w,d,stage,want", [
     (2, 4, 0, 18), (2, 4, 1, 2 + 4 + 3), (2, 4, 2, 2 + 16 / 4), (2, 4, 3, 18 / 4),
-    (4, 8, 0, 16), (4, 8, 1, 8 + 12 / 8), (4, 8, 2, 4 + 16 / 8), (4, 8, 3, 20 / 8),
+    (4, 8, 0, 16), (4, 8, 1, 8 + 8 / 8), (4, 8, 2, 4 + 12 / 8), (4, 8, 3, 16 / 8),
 ])
 def test_bytes_per_element_is_contract_c2(w, d, stage, want):
     assert bytes_per_element(stage, d, w)["total"] == pytest.approx(want)
@@ -192,10 +192,9 @@ def test_one_process_step_equals_numpy_adamw(stage):
     assert int(opt.step.asnumpy()) == 3
     names = sorted(q.name for q in opt.get_parameters())
     assert f"w{stage}.exp_avg" in names and f"w{stage}.exp_avg_sq" in names
-    # fp32 weights: stage 0 keeps no main copy (C2), stages 1-3 do.
-    assert (f"w{stage}.main" in names) == (stage > 0)
-    assert opt.memory_bytes() == {"weights": 60, "gradients": 60,
-                                  "optimizer": 60 * (2 + (stage > 0))}
+    # fp32 weights are their own main weights at every stage (issue 37, part 4).
+    assert f"w{stage}.main" not in names
+    assert opt.memory_bytes() == {"weights": 60, "gradients": 60, "optimizer": 60 * 2}
 
 
 def test_one_process_adam_l2_and_a_learning_rate_schedule():
@@ -234,7 +233,7 @@ def test_one_process_sgd_momentum_state():
     # buf: 1, then 0.5 + 1 = 1.5; w: 1 - 0.1 - 0.15
     np.testing.assert_allclose(p.asnumpy(), [0.75, 0.75], rtol=1e-6)
     assert [q.name for q in opt.moments[0]] == ["sgd_w.momentum"]
-    assert opt.memory_bytes()["optimizer"] == 2 * 4 * 2  # main + momentum
+    assert opt.memory_bytes()["optimizer"] == 2 * 4  # momentum (fp32: no main copy)
 
 
 def test_one_process_clipping_returns_the_norm_and_scales_the_step():
@@ -341,7 +340,7 @@ def test_4ranks_state_is_one_dp_share_plus_the_padding(job):
         rest = [math.prod(s[1:]) for s in r["shapes"]]
         total = sum(a * b for a, b in zip(rows, rest))
         padding = sum((d * shard_rows(a, d) - a) * b for a, b in zip(rows, rest))
-        states = ADAM_STATES if stage > 0 else ADAM_STATES - 1  # fp32: no main copy at stage 0
+        states = ADAM_STATES - 1  # fp32: the parameter is its own main weight at every stage
         if stage == 0:
             assert r["state_elements"] == states * total
         else:

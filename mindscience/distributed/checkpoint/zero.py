@@ -20,10 +20,11 @@ while loading.
 
 Other rules:
 
-* the fp32 main weights of a float32 model are not saved: they equal the weights bit
-  for bit (the optimizer writes the updated main weights back to the parameters). A
-  main weight missing from the checkpoint is set from the loaded weight (this rank's
-  rows), so a checkpoint of a plain run resumes at any stage;
+* a float32 parameter has no separate main weight (the optimizer updates the parameter
+  itself, see ``optimizer.overlap_rules.main_weight_bytes``); the fp32 main weights of
+  bf16 / fp16 parameters are saved. A main weight missing from the checkpoint is set
+  from the loaded weight (this rank's rows), so a checkpoint of a plain run resumes at
+  any stage;
 * the gradient buffers are the last step's and are not saved;
 * the step counter (``<optimizer path>.step``) is a replicated tensor, and a learning
   rate schedule is evaluated at it: the schedule resumes where it was;
@@ -97,10 +98,13 @@ def discover(cell) -> tuple:
                         "group_size": int(opt.d)})
         group = opt.group if opt.stage > 0 else None
         params = _model_params(opt)
-        groups = [("main", list(opt.mains))] + [("moment", list(m)) for m in opt.moments]
-        for role, states in groups:
-            # mains: one per parameter, or none (a float32 model at stage 0)
-            for i, state in enumerate(states):
+        every = tuple(range(len(params)))
+        # mains: one per parameter that is not float32 (a float32 parameter is its own)
+        main_of = tuple(getattr(opt, "main_members", every))
+        groups = [("main", list(opt.mains), main_of)] + [("moment", list(m), every)
+                                                          for m in opt.moments]
+        for role, states, members in groups:
+            for state, i in zip(states, members):
                 infos[id(state)] = ShardInfo(params[i], group, tuple(opt.shards[i].shape), role)
         infos[id(opt.step)] = ShardInfo(None, None, tuple(opt.step.shape), "step")
         transient.update(id(b) for b in opt.grad_buffers)

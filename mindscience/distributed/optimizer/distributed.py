@@ -15,11 +15,19 @@
    model's dtype (stages 1-2); at stage 0 each rank updates the whole parameter, at
    stage 3 the shard Parameter in place.
 
+With ``overlap_grad_reduce=True`` step 2's collectives are launched during the backward
+(see :mod:`.overlap_rules` for what overlaps in which mode and :meth:`DistributedOptimizer.
+overlap_backward`); the step waits on them and the result is the same bit for bit.
+
+Main weights: a float32 parameter is its own fp32 main weight (stages 1-2: the rank's
+rows of the full parameter are read, updated and all-gathered back; stage 3: the shard
+Parameter is updated in place); a bf16 / fp16 parameter keeps an fp32 copy.
+
 What a rank holds (contract C2), per local parameter element, d the group size, w the
 model dtype's bytes: weights w (stage 3: w/d); the fp32 gradient buffer 4 (stages 0-1)
-or 4/d (2-3); main weights 4 (stages 1-3, and stage 0 when w != 4) and moments 8 (Adam)
-or 4 (SGD with momentum), divided by d at stages 1-3. :meth:`DistributedOptimizer.
-memory_bytes` counts them from the Parameters.
+or 4/d (2-3); main weights 4 when w != 4 (:func:`.overlap_rules.main_weight_bytes`) and
+moments 8 (Adam) or 4 (SGD with momentum), both divided by d at stages 1-3.
+:meth:`DistributedOptimizer.memory_bytes` counts them from the Parameters.
 
 Example, 4 ranks as dp4, stage 1, a (6, 4) weight: c = ceil(6/4) = 2, so rank 0 holds
 rows 0-1 of the main weight and moments, rank 2 rows 4-5, rank 3 two zero rows; every
@@ -28,8 +36,9 @@ rank gets the whole updated (6, 4) weight back from the all-gather.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -42,10 +51,11 @@ from .. import manager
 from ..collectives import GroupLike, compiling
 from ..finalize import DEFAULT_BUCKET_MB, GradientFinalizer
 from ..group import ParallelGroup
-from . import rules
+from . import overlap_rules, rules
 from .errors import DistributedOptimizerError
 from .layout import param_shard, plan_buckets, shard_range, state_names
-from .validate import check_fsdp, check_grads, check_group, check_options, check_params
+from .validate import (check_fsdp, check_grads, check_group, check_options, check_overlap,
+                       check_params)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -141,6 +151,18 @@ class DistributedOptimizer(nn.Cell):
         expert_tensor_and_model_group: The etp x ep group, over which the experts' distinct
             shards are summed into the norm (``max_grad_norm``); default the manager's
             ``"etp-ep"`` group.
+        overlap_grad_reduce: Launch each bucket's dp-cp reduction (stage 0 all-reduce,
+            stages 1-2 reduce-scatter) asynchronously as soon as its gradients are final,
+            during the backward, and wait on it in the step (keyword-only). It takes
+            effect when the backward tells the optimizer: ``GPTModel.forward_backward(...,
+            optimizer=opt)``, or :meth:`overlap_backward` around a ``grad_fn`` call in
+            PyNative; a plain ``opt(grads)`` reduces in the step as without it.
+            :meth:`grad_reduce_overlap` says what overlaps in a mode. Same results bit
+            for bit. Not with MoE expert weights (reduced in the step).
+        overlap_param_gather: Overlap the all-gather of the updated weights (stages 1-2)
+            with the next forward (keyword-only). Accepted, not implemented:
+            :func:`.overlap_rules.param_gather_overlap` says so; the weights are gathered
+            at the end of the step.
 
     Inputs:
         grads: Tuple of gradients, one per parameter, shaped like it, in its dtype or
@@ -169,6 +191,7 @@ class DistributedOptimizer(nn.Cell):
                  embedding_group: Optional[GroupLike] = None,
                  expert_dp_group: Optional[GroupLike] = None,
                  expert_tensor_and_model_group: Optional[GroupLike] = None,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  _expert_grad_scale: Optional[float] = None, _expert_norm_groups=None):
         super().__init__(auto_prefix=False)
         params = list(params)
@@ -206,6 +229,7 @@ class DistributedOptimizer(nn.Cell):
                 _expert_grad_scale=1.0 / dpcp.size, _expert_norm_groups=norm_groups)
             params = [params[i] for i in dense_idx]
         schedule = isinstance(lr, nn.learning_rate_schedule.LearningRateSchedule)
+        check_overlap(overlap_grad_reduce, overlap_param_gather)
         beta1, beta2 = check_options(optimizer, zero_stage, betas, eps, weight_decay,
                                      bucket_size_mb, max_grad_norm, momentum, schedule, lr)
         if main_params_dtype != mstype.float32:
@@ -278,6 +302,7 @@ class DistributedOptimizer(nn.Cell):
         self._setup_norm(params, tp, pp, _expert_norm_groups)
         self._setup_hyper(lr, schedule, beta1, beta2, eps, weight_decay, momentum)
         self._setup_state(params)
+        self._setup_overlap(params, tp, emb, overlap_grad_reduce, overlap_param_gather)
         for p in all_params:
             p.msdist_optimizer_built = True
 
@@ -328,12 +353,19 @@ class DistributedOptimizer(nn.Cell):
         self.state_names = names
         rank = self.group.rank
         mains, moments = [], {n: [] for n in names}
-        self.has_main = self.stage > 0 or any(dt != "float32" for dt in self.dtype_names)
-        for p, sh, shape in zip(params, self.shards, self.state_shapes):
+        # Float32 parameters are their own main weights (issue 37, part 4): only the
+        # others keep an fp32 copy. main_slot[i]: parameter i's index in mains, or -1.
+        self.main_members = tuple(i for i, dt in enumerate(self.dtype_names) if dt != "float32")
+        self.main_slot = tuple(self.main_members.index(i) if i in self.main_members else -1
+                               for i in range(len(params)))
+        self.has_main = bool(self.main_members)
+        # Stages 1-2: the (start, stop) rows of each parameter this rank updates.
+        self.own_rows = tuple(shard_range(sh.rows, self.d, rank) for sh in self.shards)
+        for i, (p, sh, shape) in enumerate(zip(params, self.shards, self.state_shapes)):
             for n in names:
                 moments[n].append(Parameter(Tensor(np.zeros(shape, np.float32)), name=f"{p.name}.{n}",
                                             requires_grad=False))
-            if not self.has_main:
+            if self.main_slot[i] < 0:
                 continue
             data = p.asnumpy() if p.dtype != mstype.bfloat16 else p.astype(mstype.float32).asnumpy()
             data = np.asarray(data, np.float32).reshape(shape if self.stage == 3 else sh.shape)
@@ -358,6 +390,94 @@ class DistributedOptimizer(nn.Cell):
         self.grad_buffers = ParameterTuple(bufs)
         self.step = Parameter(Tensor(0, mstype.int32), name=f"{params[0].name}.optimizer_step",
                               requires_grad=False)
+
+    def _setup_overlap(self, params, tp, emb, grad_reduce, param_gather):
+        """The launch state of ``overlap_grad_reduce`` (None when nothing can be launched)."""
+        self.overlap_grad_reduce = bool(grad_reduce)
+        self.overlap_param_gather = bool(param_gather)
+        self._use_launched = False  # True only inside an eager step with launched buckets
+        self._overlap = None
+        if not (self.overlap_grad_reduce and self.comm and self.expert_optimizer is None):
+            return
+        from .overlap import GradOverlap
+
+        # Gradients summed over tp (sequence-parallel) or the embedding group first: their
+        # buckets are reduced in the step, after that sum.
+        skip = {i for i, p in enumerate(params)
+                if (tp.size > 1 and getattr(p, "sequence_parallel", False))
+                or (emb.size > 1 and getattr(p, "shared_embedding", False))}
+        self._overlap = GradOverlap(self, skip)
+
+    # ------------------------------------------------------------------ overlap
+    def grad_reduce_overlap(self, mode: str, pp: int = 1) -> tuple:
+        """``(overlapped, sentence)``: does this optimizer's dp-cp reduction run during the
+        backward of a ``forward_backward(mode=mode, optimizer=self)`` at pipeline size
+        ``pp``? :func:`.overlap_rules.grad_reduce_overlap`, or why this optimizer does not
+        (the option off, a group of one rank, MoE expert weights)."""
+        if not self.overlap_grad_reduce:
+            return False, "overlap_grad_reduce=False: the dp-cp reduction runs in the step."
+        if self.expert_optimizer is not None:
+            return False, ("MoE expert weights: the optimizer reduces the dense and expert "
+                           "gradients in the step.")
+        if self.stage < 3 and not self.comm:
+            return False, "the dp-cp group has one rank: there is no reduction to overlap."
+        return overlap_rules.grad_reduce_overlap(mode, self.stage, pp)
+
+    @contextlib.contextmanager
+    def overlap_backward(self, accumulated: Optional[Mapping] = None):
+        """Launch the reduction of each bucket during the backward run inside (PyNative).
+
+        Arms a ``Parameter.register_hook`` hook on each parameter (removed on exit); call
+        the optimizer with that backward's gradients next. Does nothing without
+        ``overlap_grad_reduce``, in compiled code, or where :meth:`grad_reduce_overlap`
+        says nothing overlaps::
+
+            with opt.overlap_backward():
+                loss, grads = grad_fn(x, y)
+            opt(grads)          # waits on the launched buckets
+
+        Args:
+            accumulated: ``{parameter name: gradient summed over the earlier
+                micro-batches}`` when the gradients passed to the step are that sum plus
+                this backward's (as ``GPTModel.forward_backward`` accumulates); None when
+                this backward's gradients are the whole.
+
+        Yields:
+            None.
+        """
+        if self._overlap is None or compiling() or ms.get_context("mode") != ms.PYNATIVE_MODE:
+            yield
+            return
+        self._overlap.arm(accumulated)
+        try:
+            yield
+        finally:
+            self._overlap.disarm()
+
+    def grads_ready(self, grads: Mapping) -> None:
+        """Launch the reduction of every bucket whose gradients are all final now.
+
+        The pipeline calls it after a stage chunk's last backward. Does nothing without
+        ``overlap_grad_reduce``.
+
+        Args:
+            grads: ``{parameter name: final gradient}`` (names of other parameters are
+                ignored).
+        """
+        if self._overlap is not None and not compiling():
+            self._overlap.grads_ready(grads)
+
+    def start_step(self) -> None:
+        """Forget gradients marked since the last step (a backward whose step never ran);
+        ``GPTModel.forward_backward(optimizer=...)`` calls it first."""
+        if self._overlap is not None:
+            self._overlap.finish()
+
+    def overlap_timeline(self) -> list:
+        """The last step's launched buckets: ``[{"bucket", "launched_s", "waited_s",
+        "done_s"}]`` (``time.perf_counter()`` seconds), in launch order; empty without
+        overlap."""
+        return [] if self._overlap is None else [dict(r) for r in self._overlap.timeline]
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> dict:
@@ -397,7 +517,8 @@ class DistributedOptimizer(nn.Cell):
         """
         for k, p in enumerate(self.model_params):
             if p is param:
-                return ([param] + ([self.mains[k]] if len(self.mains) else [])
+                slot = self.main_slot[k]
+                return ([param] + ([self.mains[slot]] if slot >= 0 else [])
                         + [m[k] for m in self.moments])
         if self.expert_optimizer is not None:
             return self.expert_optimizer.tensors_of(param)
@@ -421,6 +542,14 @@ class DistributedOptimizer(nn.Cell):
             check_grads(grads, self.shapes, self.dtype_names,
                         [_dtype_name(getattr(g, "dtype", None)) for g in grads]
                         if isinstance(grads, (tuple, list)) else ())
+            if self._overlap is not None:
+                # Eager step after a backward that launched buckets: take their results.
+                self._use_launched = self._overlap.pending()
+                try:
+                    return super().__call__(*args, **kwargs)
+                finally:
+                    self._use_launched = False
+                    self._overlap.finish()
         return super().__call__(*args, **kwargs)
 
     def construct(self, grads):
@@ -511,18 +640,14 @@ class DistributedOptimizer(nn.Cell):
         out = [None] * self.num_params
         for b in range(len(self.buckets)):
             bucket = self.buckets[b]
-            flat = self._flat(grads, bucket)
-            if self.stage == 1:
-                flat = ops.depend(flat, ops.assign(self.grad_buffers[b], flat))
-            if self.comm:
-                if self.stage == 0:
-                    chunk = self._kernel().all_reduce(flat) * self.scale
-                else:
-                    chunk = self._kernel().reduce_scatter(flat) * self.scale
-            elif self.scale != 1.0:
-                chunk = flat * self.scale
+            launched = None
+            if self._use_launched:
+                # Launched during the backward (overlap.py); stage 1's buffer written then.
+                launched = self._overlap.take(b)
+            if launched is not None:
+                chunk = launched * self.scale
             else:
-                chunk = flat
+                chunk = self._reduce_bucket(grads, b, bucket)
             if self.stage != 1:
                 chunk = ops.depend(chunk, ops.assign(self.grad_buffers[b], chunk))
             pieces = (chunk,) if len(bucket.members) == 1 else ops.split(chunk, bucket.sections, 0)
@@ -530,6 +655,19 @@ class DistributedOptimizer(nn.Cell):
                 i = bucket.members[j]
                 out[i] = pieces[j].reshape(self.state_shapes[i])
         return out
+
+    def _reduce_bucket(self, grads, b, bucket):
+        """Bucket ``b``'s reduced (mean) gradient in the step (not launched before)."""
+        flat = self._flat(grads, bucket)
+        if self.stage == 1:
+            flat = ops.depend(flat, ops.assign(self.grad_buffers[b], flat))
+        if self.comm:
+            if self.stage == 0:
+                return self._kernel().all_reduce(flat) * self.scale
+            return self._kernel().reduce_scatter(flat) * self.scale
+        if self.scale != 1.0:
+            return flat * self.scale
+        return flat
 
     def _norm(self, shards):
         """The global L2 norm of the reduced gradients (see Outputs)."""
@@ -560,20 +698,41 @@ class DistributedOptimizer(nn.Cell):
         bc2_sqrt = ops.sqrt(-ops.expm1(t * self.log_beta2))
         new = []
         for i in range(self.num_params):
-            if self.has_main:
-                w = self.mains[i]
+            slot = self.main_slot[i]
+            if slot >= 0:
+                w = self.mains[slot]
             else:
-                w = self.model_params[i]
+                w = self._own_weight(i)
             if self.kind == "sgd":
                 buf = self.m1[i] if self.has_momentum else None
                 value = rules.sgd(w, shards[i], buf, lr, self.momentum, self.wd, self.has_momentum)
             else:
                 value = rules.adam(w, shards[i], self.m1[i], self.m2[i], lr, self.beta1, self.beta2,
                                    self.eps, self.wd, bc1, bc2_sqrt, self.kind == "adamw")
-            if self.has_main:
-                value = ops.depend(value, ops.assign(self.mains[i], value))
+            if slot >= 0:
+                value = ops.depend(value, ops.assign(self.mains[slot], value))
             new.append(value)
         return new
+
+    def _own_weight(self, i):
+        """A float32 parameter as its own main weight, in its state shape: stages 1-2 this
+        rank's rows, zero-padded (the padding stays 0, as a copy's did); stage 3 the shard."""
+        p = self.model_params[i]
+        if self.stage == 0:
+            return p
+        sh = self.shards[i]
+        if self.stage == 3 or self.d == 1:
+            if tuple(p.shape) == self.state_shapes[i]:
+                return p
+            return p.reshape(self.state_shapes[i])
+        start, stop = self.own_rows[i]
+        if stop == start:
+            return ops.zeros(self.state_shapes[i], mstype.float32)
+        rows = p.reshape((sh.rows, sh.rest))[start:stop]
+        if stop - start < sh.shard_rows:
+            pad = ops.zeros((sh.shard_rows - (stop - start), sh.rest), mstype.float32)
+            rows = ops.cat((rows, pad), 0)
+        return rows.reshape(self.state_shapes[i])
 
     def _write_back(self, new):
         """Write the updated weights into the model's parameters; returns a dependency."""

@@ -26,6 +26,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
+from .overlap_rules import main_weight_bytes
+
 __all__ = [
     "ParamShard", "BucketLayout", "shard_rows", "shard_range", "param_shard", "plan_buckets",
     "bytes_per_element", "state_names", "OPTIMIZERS", "STAGES",
@@ -207,10 +209,11 @@ def bytes_per_element(stage: int, d: int, w: int, optimizer: str = "adamw",
     Returns:
         ``{"weights", "gradients", "optimizer", "total"}`` (floats, padding not counted).
 
-    Example, bf16 AdamW: stage 0 -> 2 + 4 + 12 = 18; stage 2, d = 4 -> 2 + 1 + 3 = 6.
+    Example, bf16 AdamW: stage 0 -> 2 + 4 + 12 = 18; stage 2, d = 4 -> 2 + 1 + 3 = 6;
+    fp32 AdamW (no main copy): stage 0 -> 4 + 4 + 8 = 16; stage 1, d = 8 -> 4 + 4 + 1 = 9.
     """
     moments = 4 * len(state_names(optimizer, momentum))
-    main = 4 if (stage > 0 or w != 4) else 0
+    main = main_weight_bytes(int(w), stage)  # a float32 parameter is its own main weight
     weights = w / d if stage == 3 else float(w)
     gradients = 4.0 if stage < 2 else 4.0 / d
     state = float(moments + main) if stage == 0 else (moments + main) / d

@@ -14,7 +14,8 @@ import numbers
 from .errors import DistributedOptimizerError
 from .layout import OPTIMIZERS, STAGES, is_number, shard_rows
 
-__all__ = ["check_options", "check_params", "check_group", "check_fsdp", "check_grads"]
+__all__ = ["check_options", "check_params", "check_group", "check_fsdp", "check_grads",
+           "check_overlap"]
 
 PARAM_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -142,3 +143,11 @@ def check_grads(grads, shapes, dtype_names, grad_dtype_names) -> None:
                   "its parameter; pass the gradients in the parameters' order.")
         if gdt not in (dt, "float32"):
             _fail(f"grads[{i}] has dtype {gdt}: expected {dt} (the parameter's) or float32.")
+
+
+def check_overlap(overlap_grad_reduce, overlap_param_gather) -> None:
+    """The two overlap options are bools."""
+    for name, value in (("overlap_grad_reduce", overlap_grad_reduce),
+                        ("overlap_param_gather", overlap_param_gather)):
+        if not isinstance(value, bool):
+            _fail(f"{name}={value!r} is invalid: expected True or False.")
