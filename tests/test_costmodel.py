@@ -397,12 +397,27 @@ def test_stage_parameters_hold_the_untied_head_and_the_tied_copy():
 
 
 # ------------------------------------------------------------------ ZeRO stages (contract C2)
-@pytest.mark.parametrize("precision,expected", [
-    ("bf16", [(2, 4, 12), (2, 4, 12 / 4), (2, 4 / 4, 12 / 4), (2 / 4, 4 / 4, 12 / 4)]),
-    ("fp32", [(4, 4, 8), (4, 4, 12 / 4), (4, 4 / 4, 12 / 4), (4 / 4, 4 / 4, 12 / 4)]),
+def _optimizer_rules(monkeypatch, rules: dict):
+    """The cost model's view of the library's pure rules: ``{name: function}``; others missing."""
+    import mindscience.distributed.costmodel.runtime as rt
+
+    monkeypatch.setattr(rt, "_rule", lambda module, name: rules.get(name))
+
+
+FP32_OWN_SHARD = {"main_weight_bytes": lambda param_bytes, zero_stage: 0 if param_bytes == 4 else 4}
+
+
+@pytest.mark.parametrize("precision,library,expected", [
+    ("bf16", None, [(2, 4, 12), (2, 4, 12 / 4), (2, 4 / 4, 12 / 4), (2 / 4, 4 / 4, 12 / 4)]),
+    ("bf16", FP32_OWN_SHARD, [(2, 4, 12), (2, 4, 12 / 4), (2, 4 / 4, 12 / 4), (2 / 4, 4 / 4, 12 / 4)]),
+    # Before part 4 of issue 37 (the fallback): fp32 models keep a second fp32 copy at stages 1-3.
+    ("fp32", None, [(4, 4, 8), (4, 4, 12 / 4), (4, 4 / 4, 12 / 4), (4 / 4, 4 / 4, 12 / 4)]),
+    # optimizer.overlap_rules.main_weight_bytes: fp32 parameters are their own main weights.
+    ("fp32", FP32_OWN_SHARD, [(4, 4, 8), (4, 4, 8 / 4), (4, 4 / 4, 8 / 4), (4 / 4, 4 / 4, 8 / 4)]),
 ])
-def test_bytes_per_parameter_of_every_zero_stage(precision, expected):
+def test_bytes_per_parameter_of_every_zero_stage(monkeypatch, precision, library, expected):
     # d = dp * cp = 4 and every dim 0 of this model divides by 4: no padding, so the bytes are P x C2's figures.
+    _optimizer_rules(monkeypatch, library or {})
     model = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256)
     params = total_parameters(model)
     for z, (w, g, o) in enumerate(expected):
@@ -411,12 +426,14 @@ def test_bytes_per_parameter_of_every_zero_stage(precision, expected):
         assert row["parameters"] == params and row["zero_stage"] == z
         assert (row["weights_bytes"], row["gradients_bytes"], row["optimizer_bytes"]) == (w * params, g * params,
                                                                                          o * params)
-    # C2's totals: bf16 18, 6 + 12/d, 2 + 16/d, 18/d; fp32 16, 8 + 12/d, 4 + 16/d, 20/d.
+    # C2's totals: bf16 18, 6 + 12/d, 2 + 16/d, 18/d; fp32 16, 8 + 12/d, 4 + 16/d, 20/d (own shard:
+    # 8 + 8/d, 4 + 12/d, 16/d).
     totals = [sum(bytes_per_parameter(precision, z, 4).values()) for z in range(4)]
-    assert totals == ([18, 9, 6, 4.5] if precision == "bf16" else [16, 11, 8, 5])
+    assert totals == ([18, 9, 6, 4.5] if precision == "bf16" else [16, 11, 8, 5] if library is None else [16, 10, 7, 4])
 
 
-def test_zero_shards_are_padded_per_parameter():
+def test_zero_shards_are_padded_per_parameter(monkeypatch):
+    _optimizer_rules(monkeypatch, {})  # the library before part 4: an fp32 main copy at stages 1-3
     # d = 3 on tiny-gpt: a (r, *rest) parameter keeps ceil(r/3) rows. Per layer: norms 4 x 22, qkv 64 x 64,
     # its bias 64, out 22 x 64 and bias 22, fc1 86 x 64 and bias 86, fc2 22 x 256 and bias 22.
     layer = 4 * 22 + 64 * 64 + 64 + 22 * 64 + 22 + 86 * 64 + 86 + 22 * 256 + 22
@@ -427,6 +444,9 @@ def test_zero_shards_are_padded_per_parameter():
     row = stage_rows(TINY_GPT, training, 1, 1, 1, 3)[0]
     assert row["weights_bytes"] == 4 * padded and row["gradients_bytes"] == 4 * padded
     assert row["optimizer_bytes"] == 12 * padded
+    _optimizer_rules(monkeypatch, FP32_OWN_SHARD)  # fp32 parameters as their own main weights: moments only
+    assert stage_rows(TINY_GPT, training, 1, 1, 1, 3)[0]["optimizer_bytes"] == 8 * padded
+    _optimizer_rules(monkeypatch, {})
     # Stage 3 keeps the stage's gathered weights for a micro-batch (fully_shard, no reshard).
     assert row["gathered_bytes"] == 4 * 220_544
     # Stage 1 on the same layout: weights and gradients whole, only the optimizer state padded.
@@ -519,7 +539,8 @@ def test_llama3_stage_cut_counts_the_embedding_and_the_loss():
 
 
 # ------------------------------------------------------------------ what the library runs (notes)
-def test_what_runs_notes_and_prices_the_runtime():
+def test_what_runs_notes_and_prices_the_runtime(monkeypatch):
+    _optimizer_rules(monkeypatch, {})  # no overlap or fsdp rules: the library before issue 37's parts 2-3
     training = TrainingSpec(recompute="selective")
     priced, runtime, notes = what_runs(training, tp=2, cp=1, pp=2, dp=2)
     # The pipeline keeps its stage forwards (pipeline.recompute.runtime_recompute): no pp note.
@@ -537,7 +558,98 @@ def test_what_runs_notes_and_prices_the_runtime():
         TrainingSpec(recompute="full"), Runtime(stage_recompute=False), [])
     # ZeRO-3 says how fully_shard gathers; overlap is irrelevant there.
     notes = what_runs(TrainingSpec(zero_stage=3), 1, 1, 1, 4)[2]
-    assert len(notes) == 1 and notes[0].startswith("zero_stage 3: fully_shard")
+    assert len(notes) == 1 and notes[0].startswith("zero_stage 3: fully_shard all-gathers every parameter")
+
+
+def _rules_of_issue_37():
+    """The contract's rules as issue 37 describes the library after parts 2-4 (PyNative overlaps, jit not)."""
+    def grad(mode, zero_stage, pp=1):
+        if zero_stage == 3:
+            return False, "fully_shard reduce-scatters in its backward"
+        return (True, "launched from a gradient hook") if mode == "pynative" or pp > 1 else \
+            (False, "a compiled backward runs its hooks after the graph")
+
+    def fsdp(mode, reshard_after_forward=True, prefetch=True):
+        if mode == "pynative":
+            return {"reshard_after_forward": reshard_after_forward, "prefetch": prefetch,
+                    "gathers_per_unit": 2 if reshard_after_forward else 1,
+                    "units_alive": (2 if prefetch else 1) if reshard_after_forward else None, "reason": None}
+        return {"reshard_after_forward": False, "prefetch": False, "gathers_per_unit": 1, "units_alive": None,
+                "reason": "compiled code gathers each parameter inside the graph"}
+
+    return {"grad_reduce_overlap": grad, "param_gather_overlap": lambda mode, z: (False, "gathered in the step"),
+            "main_weight_bytes": FP32_OWN_SHARD["main_weight_bytes"], "fsdp_runtime": fsdp}
+
+
+def test_what_runs_gives_no_overlap_note_where_the_library_overlaps(monkeypatch):
+    _optimizer_rules(monkeypatch, _rules_of_issue_37())
+    training = TrainingSpec(recompute="selective")
+    priced, runtime, notes = what_runs(training, tp=1, cp=1, pp=1, dp=4)
+    # PyNative overlaps the reduction: priced overlapped, and only the compiled mode's difference is said.
+    assert priced.overlap_grad_reduce is True
+    assert [n.split(":")[0] for n in notes] == ["compiled mode"] and "a compiled backward" in notes[0]
+    # In the pipeline both modes overlap (after each chunk's last backward): no overlap note at all.
+    assert not any("overlap" in n for n in what_runs(training, 1, 1, 2, 4)[2])
+    # Asked in compiled mode (msdist train --mode jit): not overlapped there, said so.
+    priced, _, notes = what_runs(training, 1, 1, 1, 4, mode="jit")
+    assert priced.overlap_grad_reduce is False and notes[0].startswith("training.overlap_grad_reduce: a compiled")
+    # overlap_param_gather is not run by this library yet: priced exposed, with a note at stages 1-2 only.
+    priced, _, notes = what_runs(TrainingSpec(zero_stage=1, overlap_param_gather=True), 1, 1, 1, 4)
+    assert priced.overlap_param_gather is False
+    assert "training.overlap_param_gather: gathered in the step; priced as not overlapped." in notes
+    # FSDP in PyNative: per-unit buckets, resharded (2 gathers), 2 units alive, prefetched: no note.
+    priced, runtime, notes = what_runs(TrainingSpec(zero_stage=3), 1, 1, 1, 4)
+    assert notes == [] and (priced.reshard_after_forward, priced.fsdp_prefetch) == (True, True)
+    assert runtime == Runtime(stage_recompute=False, fsdp_units=True, fsdp_gathers_per_unit=2, fsdp_units_alive=2)
+    # Compiled: per parameter, kept, with the library's reason.
+    priced, runtime, notes = what_runs(TrainingSpec(zero_stage=3), 1, 1, 1, 4, mode="jit")
+    assert runtime == Runtime() and not priced.reshard_after_forward
+    assert notes == ["zero_stage 3: compiled code gathers each parameter inside the graph; priced so."]
+
+
+def test_overlapped_reduction_shrinks_the_exposed_dp_time(monkeypatch):
+    # tiny-gpt at dp4, one micro-batch of 2, on 1 TFLOP/s, 1 GB/s, 10 us: the all-reduce (2 x 3/4 x 4 bytes x
+    # 220,544 parameters = 1.32 ms + 10 us) against the backward (2 x forward FLOPs at 1 TFLOP/s).
+    training = TrainingSpec(micro_batch_size=2, global_batch_size=8, precision="fp32")
+    unit = ClusterSpec(peak_tflops=1, compute_efficiency=1, intra_node_gbps=1, intra_node_latency_us=10)
+    _optimizer_rules(monkeypatch, {})
+    priced, runtime, _ = what_runs(training, 1, 1, 1, 4)
+    exposed = step_time(TINY_GPT, priced, unit, 1, 1, 1, 4, runtime=runtime)
+    reduce_s = 10e-6 + 2 * 3 / 4 * 4 * 220_544 / 1e9
+    assert exposed["breakdown"]["dp_s"] == pytest.approx(reduce_s) == exposed["dp_reduce_s"]
+    _optimizer_rules(monkeypatch, _rules_of_issue_37())
+    priced, runtime, _ = what_runs(training, 1, 1, 1, 4)
+    hidden = step_time(TINY_GPT, priced, unit, 1, 1, 1, 4, runtime=runtime)
+    backward = stage_slot_flops(TINY_GPT, priced, 1, 1, 1)["backward"] / 1e12
+    assert hidden["breakdown"]["dp_s"] == pytest.approx(reduce_s - backward)
+    assert hidden["step_time_s"] == pytest.approx(exposed["step_time_s"] - backward)
+
+
+def test_fsdp_units_gather_per_layer_and_keep_units_alive(monkeypatch):
+    # tiny-gpt at dp3, fp32, ZeRO-3: 4 layer units of 49,984 parameters, the root (embeddings, final norm)
+    # 16,384 + 4,096 + 128.
+    training = TrainingSpec(micro_batch_size=2, global_batch_size=6, precision="fp32", zero_stage=3)
+    _optimizer_rules(monkeypatch, {})
+    priced, runtime, _ = what_runs(training, 1, 1, 1, 3)
+    kept = stage_rows(TINY_GPT, priced, 1, 1, 1, 3, runtime=runtime)[0]
+    per_param = {r["op"]: r for r in traffic(TINY_GPT, priced, 1, 1, 1, 3, runtime)}
+    assert kept["gathered_bytes"] == 4 * 220_544 and per_param["all_gather"]["count"] == 52
+    _optimizer_rules(monkeypatch, _rules_of_issue_37())
+    priced, runtime, _ = what_runs(training, 1, 1, 1, 3)
+    layer = 49_984
+    assert 4 * layer + 16_384 + 4_096 + 128 == 220_544
+    row = stage_rows(TINY_GPT, priced, 1, 1, 1, 3, runtime=runtime)[0]
+    # Two layer units alive (units_alive) and the root, not the stage's four layers.
+    assert row["gathered_bytes"] == 4 * (2 * layer + 20_608)
+    rows = {r["op"]: r for r in traffic(TINY_GPT, priced, 1, 1, 1, 3, runtime)}
+    # One bucket per unit: the 4 leaves twice (forward, backward after the reshard), the root once; one
+    # reduce-scatter per unit; the bytes: padded shards x 3 of the leaves twice and the root once.
+    assert rows["all_gather"]["count"] == 4 * 2 + 1 and rows["reduce_scatter"]["count"] == 5
+    assert rows["all_gather"]["bytes"] > per_param["all_gather"]["bytes"]
+    # units_alive 1 without prefetch.
+    one = stage_rows(TINY_GPT, replace(priced, fsdp_prefetch=False), 1, 1, 1, 3,
+                     runtime=what_runs(replace(training, fsdp_prefetch=False), 1, 1, 1, 3)[1])[0]
+    assert one["gathered_bytes"] == 4 * (layer + 20_608)
 
 
 def test_estimate_prices_the_pipeline_runtime_and_reports_notes():
@@ -554,7 +666,8 @@ def test_estimate_prices_the_pipeline_runtime_and_reports_notes():
     last = report["memory"]["stages"][7]
     # The last stage: one micro-batch in flight, its 12 layers, the scores, the output layer's inputs.
     assert last["activations_bytes"] == 12 * layer + scores + 4 * SBH // 8 * (1 + Fraction(V, H))
-    assert report["model"]["runtime"] == {"stage_recompute": False}
+    assert report["model"]["runtime"] == {"stage_recompute": False, "fsdp_units": False, "fsdp_gathers_per_unit": 1,
+                                          "fsdp_units_alive": None}
     assert report["model"]["priced_training"]["recompute"] == "selective"
     assert not any(n.startswith("pp=") for n in report["notes"])
     # Compute: a kept stage runs 3 passes of its 12 layers (+ the selective scores); the last adds the

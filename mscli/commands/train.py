@@ -300,7 +300,7 @@ def train(
 
             check_output_folder("--save", opts.save)
         priced = run_cluster(workload, spec_layout, local, calibrate)
-        predicted = estimate(spec_layout, priced)
+        predicted = estimate(spec_layout, priced, mode=opts.mode)
         plan = plan_launch(spec_layout, nodes, node_rank, master_addr, master_port, local, loopback_nodes,
                            command="train")
         spec = build_spec(spec_layout, workload, opts, resume_info and resume_info["directory"])
@@ -372,7 +372,7 @@ def train(
         raise typer.Exit(EXIT_FAILED)
     with user_errors():
         if run_layout is not spec_layout:
-            predicted = estimate(run_layout, priced)
+            predicted = estimate(run_layout, priced, mode=opts.mode)
         report = report_from_ranks(
             all_ranks(result, plan), layout=run_layout, workload=workload, opts=opts, estimate=predicted,
             peak_tflops=priced.cluster.peak_tflops, earlier=outcome["earlier"],

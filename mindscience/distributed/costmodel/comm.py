@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from .memory import BYTES, GRADIENT_BYTES, num_microbatches
 from .moe_spec import dispatch_imbalance
-from .params import model_stage_layers, rank_layers, stage_counts
+from .params import model_stage_layers, rank_layers, stage_counts, stage_units
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 GROUPS = ("tp", "cp", "pp", "dp-cp")
@@ -200,22 +200,35 @@ def traffic(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int,
         sends = microbatches * (2 if pp > 2 else 1) * training.virtual_pipeline_stages
         rows.append(_row("pp", "send_recv", pp, sends, sends * (activation // (tp if sp else 1))))
     regather = runtime is not None and runtime.stage_recompute and pp > 1
-    rows += zero_traffic(model, training, tp, pp, dp * cp, microbatches, regather)
+    rows += zero_traffic(model, training, tp, pp, dp * cp, microbatches, regather, runtime=runtime)
     if model.is_moe:
         edp = tp * cp * pp * dp // (etp * ep * pp)
         rows += zero_traffic(model, training, tp, pp, edp, microbatches, regather, experts=(etp, ep))
     return rows
 
 
+def fsdp_gathers(runtime, regather: bool = False) -> int:
+    """All-gathers of a stage-3 unit (or parameter) per micro-batch.
+
+    ``runtime.fsdp_gathers_per_unit`` (2 when the unit reshards after its forward and
+    gathers again for its backward), at least 2 when the pipeline re-runs the forward
+    (``regather``: the re-run forward's gather then serves the backward too).
+    """
+    gathers = runtime.fsdp_gathers_per_unit if runtime is not None and runtime.fsdp_units else 1
+    return max(gathers, 2) if regather else gathers
+
+
 def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: int, microbatches: int,
-                 regather: bool = False, experts: tuple | None = None) -> list[dict]:
+                 regather: bool = False, experts: tuple | None = None, runtime=None) -> list[dict]:
     """The dp-cp rows of the pipeline rank with the most parameters, at the training's ZeRO stage.
 
     Stage 0 all-reduces the fp32 gradients once per step (bucketed: one call); stages 1-2
     reduce-scatter them and all-gather the updated weights (the same bytes as the
-    all-reduce); stage 3 all-gathers every parameter before each forward (``regather``:
-    also before the pipeline runtime's re-run forward) and reduce-scatters its gradient,
-    per parameter and micro-batch (``fully_shard``, ``reshard_after_forward=False``).
+    all-reduce); stage 3 all-gathers the weights before each forward (``regather``:
+    also before the pipeline runtime's re-run forward) and reduce-scatters their gradients,
+    per micro-batch: with ``runtime.fsdp_units`` (:mod:`.runtime`) one bucket per unit
+    (:func:`~.params.stage_units`) and :func:`fsdp_gathers` gathers of it, else one call
+    per parameter (``fully_shard`` before units).
     ``experts`` (``(etp, ep)``): the routed experts' rows over ``d`` = edp, at stage 3 as at
     stage 2 (``DistributedOptimizer``'s expert optimizer; ``fully_shard`` leaves them whole).
 
@@ -245,7 +258,17 @@ def zero_traffic(model: ModelSpec, training: TrainingSpec, tp: int, pp: int, d: 
     if stage < 3:
         return [_row(group, "reduce_scatter", d, 1, padded * GRADIENT_BYTES),
                 _row(group, "all_gather", d, 1, padded * w)]
-    gathers = 2 if regather else 1
+    gathers = fsdp_gathers(runtime, regather)
+    if experts is None and runtime is not None and runtime.fsdp_units:
+        # One bucket per unit; the root (embeddings, head) keeps its weights to the backward: one gather.
+        counts = stage_counts(model, tp, pp, d, training)
+        leaves, root = stage_units(model, tp, pp, d, training)[counts.index(max(counts))]
+        calls = len(leaves) + (1 if root[0] else 0)
+        root_padded = d * root[1]
+        gathered = microbatches * (gathers * (padded - root_padded) + root_padded) * w
+        return [_row(group, "all_gather", d, microbatches * (gathers * len(leaves) + (1 if root[0] else 0)),
+                     gathered),
+                _row(group, "reduce_scatter", d, calls * microbatches, microbatches * padded * w)]
     return [_row(group, "all_gather", d, gathers * tensors * microbatches, gathers * microbatches * padded * w),
             _row(group, "reduce_scatter", d, tensors * microbatches, microbatches * padded * w)]
 

@@ -14,6 +14,8 @@ numbers of your own cluster run ``msdist verify`` there and pass its report to
 
 from __future__ import annotations
 
+from .errors import ModelError
+
 # peak_tflops: dense bf16/fp16 tensor throughput per device (no sparsity).
 # intra/inter_node_gbps: achievable per-device bus bandwidth (nccl-tests' busbw) inside a
 # node and across nodes; *_latency_us: time of one small collective call.
@@ -41,11 +43,37 @@ DEVICE_PRESETS: dict[str, dict] = {
     "cpu": {
         "peak_tflops": 0.1, "device_memory_gb": 16, "intra_node_gbps": 0.5, "inter_node_gbps": 0.1,
         "intra_node_latency_us": 5000.0, "inter_node_latency_us": 10000.0,
-        "about": "MindSpore's CPU backend (a few cores per rank, collectives over loopback): calibrate it",
+        # Ranks share this machine's cores (local_cores()); each operator costs a launch.
+        "cores_per_node": "local", "op_overhead_us": 0.0,
+        "about": "MindSpore's CPU backend (ranks sharing the machine's cores, collectives over loopback)",
     },
 }
 PRESET_KEYS = ("peak_tflops", "device_memory_gb", "intra_node_gbps", "inter_node_gbps",
                "intra_node_latency_us", "inter_node_latency_us")
+# Keys of the hosts whose ranks share CPU cores (the `cpu` preset); accelerator presets leave them out.
+HOST_KEYS = ("cores_per_node", "op_overhead_us")
+CORES_ENV = "MSDIST_CPU_CORES"
+
+
+def local_cores() -> int:
+    """The cores ranks of this machine share: ``$MSDIST_CPU_CORES``, else the CPUs this process may run on.
+
+    The ``cpu`` preset's ``cores_per_node`` (``"local"``): ``msdist train`` runs its ranks
+    here. ``MSDIST_CPU_CORES`` prices another host's cores (the documentation's outputs pin
+    it to the 2 cores they were recorded on).
+    """
+    import os
+
+    value = os.environ.get(CORES_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ModelError(f"{CORES_ENV}={value!r} is invalid: expected a whole number of cores >= 1, e.g. 2 "
+                             "(or unset it to use this machine's).")
+        return int(value)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def device_names() -> list[str]:

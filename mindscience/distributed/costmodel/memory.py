@@ -29,8 +29,9 @@ from dataclasses import replace
 
 from .params import (embedding_parameters, expert_fc1_width, layer_parameters, mlp_fc1_width, model_stage_layers,
                      rank_layers, rank_moe_layers, stage_counts, stage_expert_counts, stage_parameters,
-                     total_parameters)
+                     stage_units, total_parameters)
 from .moe_spec import dispatch_imbalance
+from .runtime import main_weight_bytes
 from .spec import ModelSpec, TrainingSpec
 
 __all__ = ["embedding_parameters", "layer_parameters", "stage_parameters", "total_parameters",
@@ -55,17 +56,17 @@ def bytes_per_parameter(precision: str, zero_stage: int, d: int) -> dict:
     """Bytes per local parameter element a rank holds (contract C2), ``d`` = optimizer group size.
 
     Weights ``w`` (stage 3: ``w/d``); fp32 gradients 4 (stages 2-3: ``4/d``); Adam's
-    moments 8 plus the fp32 main weights 4, kept at stages 1-3 always and at stage 0 when
-    ``w != 4``, all ``/d`` at stages 1-3. Exact for parameters whose dim 0 divides by
-    ``d``; :func:`stage_rows` counts the padded shards instead.
+    moments 8 plus the fp32 main weights the optimizer keeps
+    (:func:`~.runtime.main_weight_bytes`: 4 for 16-bit weights; for fp32 weights 0 at
+    stage 0, and at stages 1-3 0 where the optimizer uses its own shard as the main
+    weights, else 4), all ``/d`` at stages 1-3. Exact for parameters whose dim 0 divides
+    by ``d``; :func:`stage_rows` counts the padded shards instead.
 
         >>> [sum(bytes_per_parameter("bf16", z, 8).values()) for z in range(4)]
         [18, 7.5, 4.0, 2.25]
-        >>> [sum(bytes_per_parameter("fp32", z, 4).values()) for z in range(4)]
-        [16, 11.0, 8.0, 5.0]
     """
     w = BYTES[precision]["weights"]
-    main = MAIN_WEIGHT_BYTES if zero_stage >= 1 or w != MAIN_WEIGHT_BYTES else 0
+    main = main_weight_bytes(w, zero_stage)
     optimizer = ADAM_MOMENT_BYTES + main
     return {
         "weights": w / d if zero_stage >= 3 else w,
@@ -174,19 +175,32 @@ def working_set_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int
     return everything - layer_activation_bytes(model, training, tp, cp)
 
 
-def gathered_bytes(model: ModelSpec, training: TrainingSpec, tp: int, params: int) -> int:
-    """ZeRO-3's gathered weights: a stage's full (tp-local) weights, ``w * params``.
+def gathered_bytes(model: ModelSpec, training: TrainingSpec, tp: int, params: int,
+                   units: tuple | None = None, units_alive: int | None = None) -> int:
+    """ZeRO-3's gathered weights alive at once on one rank, in bytes; 0 below stage 3.
 
-    ``fully_shard`` (``reshard_after_forward=False``) gathers each parameter for a
-    micro-batch's forward and autodiff keeps the gathered tensor until that backward, so
-    the stage's whole weights are alive once more while a micro-batch is between its
-    forward and backward (micro-batches run forward-to-backward one at a time on a
-    single stage; the pipeline runtime re-runs the forward just before the backward).
-    0 below stage 3.
+    ``units_alive`` None (``fully_shard`` keeping what it gathers, ``reshard_after_forward=False``):
+    a stage's full (tp-local) weights, ``w * params``: each unit is gathered for a
+    micro-batch's forward and autodiff keeps the gathered tensors until that backward
+    (micro-batches run forward-to-backward one at a time on a single stage). Otherwise
+    (per-unit gathers, each leaf unit freed after its forward and gathered again for its
+    backward; ``fsdp.rules``): the root unit's weights (embeddings, head: alive throughout)
+    and the ``units_alive`` largest leaf units, of ``units`` = ``(leaves, root)`` from
+    :func:`~.params.stage_units`, ``w`` bytes per parameter.
+
+        >>> m = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=1, seq_length=2, vocab_size=0)
+        >>> z3 = TrainingSpec(zero_stage=3, precision="fp32")
+        >>> leaves, root = [(240, 0, 0), (240, 0, 0), (240, 0, 0)], (20, 0, 0)
+        >>> gathered_bytes(m, z3, 1, 740), gathered_bytes(m, z3, 1, 740, (leaves, root), 2)
+        (2960, 2000)
     """
     if training.zero_stage < 3:
         return 0
-    return BYTES[training.precision]["weights"] * params
+    w = BYTES[training.precision]["weights"]
+    if units_alive is None or units is None:
+        return w * params
+    leaves, root = units
+    return w * (root[0] + sum(sorted((u[0] for u in leaves), reverse=True)[:units_alive]))
 
 
 def edge_activation_bytes(model: ModelSpec, training: TrainingSpec, tp: int, cp: int) -> tuple[int, int]:
@@ -288,7 +302,7 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
     experts = stage_expert_counts(model, training, pp, etp, ep, edp)
     moe_per_rank = rank_moe_layers(model, training, pp)
     moe_layer = moe_layer_activation_bytes(model, training, tp, cp, etp) if model.is_moe else 0
-    main = MAIN_WEIGHT_BYTES if stage_z >= 1 or w != MAIN_WEIGHT_BYTES else 0
+    main = main_weight_bytes(w, stage_z)
     dense_layer = layer_activation_bytes(model, training, tp, cp)
     first, last = edge_activation_bytes(model, training, tp, cp)
     ids = TOKEN_ID_BYTES * model.seq_length // cp * training.micro_batch_size
@@ -300,6 +314,8 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
     recomputing = runtime is not None and runtime.stage_recompute and pp > 1
     rows = []
     counts = stage_counts(model, tp, pp, d, training)
+    fsdp_units = stage_z >= 3 and d > 1 and runtime is not None and runtime.fsdp_units
+    units = stage_units(model, tp, pp, d, training) if fsdp_units else None
     for stage in range(pp):
         params, sharded, _ = counts[stage]
         flying = in_flight(pp, stage, m)
@@ -336,7 +352,8 @@ def stage_rows(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: i
             "optimizer_bytes": (ADAM_MOMENT_BYTES + main) * ((sharded + e_sharded) if stage_z >= 1
                                                              else (params + e_params)),
             "activations_bytes": activations,
-            "gathered_bytes": gathered_bytes(model, training, tp, params),
+            "gathered_bytes": gathered_bytes(model, training, tp, params, units[stage] if units else None,
+                                             runtime.fsdp_units_alive if runtime is not None else None),
             "communicator_bytes": communicator_bytes,
             "microbatches_in_flight": flying,
         }

@@ -270,6 +270,36 @@ def stage_counts(model: ModelSpec, tp: int, pp: int, d: int,
     return out
 
 
+def stage_units(model: ModelSpec, tp: int, pp: int, d: int,
+                training: TrainingSpec | None = None) -> list[tuple[list, tuple]]:
+    """``fully_shard``'s units of every pipeline rank: ``(leaf units, root)``, each ``(parameters, padded shard
+    elements, tensors)``.
+
+    One leaf unit per layer (its parameters gathered in one bucket); the root holds the
+    rest of the rank (the first stage's embeddings, the last stage's final norm and
+    output layer; ``(0, 0, 0)`` on a middle stage). Leaves and root add up to the rank's
+    :func:`stage_counts` row.
+
+        >>> m = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=1, seq_length=2, vocab_size=0,
+        ...               bias=False, normalization="rmsnorm", position_embedding="rope")
+        >>> stage_units(m, 1, 1, 2)  # two layers of 6 tensors (200 values), the final norm
+        [([(200, 100, 6), (200, 100, 6)], (4, 2, 1))]
+    """
+    def counts(moe: bool) -> tuple:
+        layer = [(shape, split, 1) for shape, split in layer_shapes(model, tp, moe)]
+        return sum(prod(shape) for shape, _, _ in layer), sharded_elements(layer, d), len(layer)
+
+    dense_unit = counts(False)
+    moe_unit = counts(True) if model.is_moe else None
+    out = []
+    for stage, (layers, moe) in enumerate(zip(rank_layers(model, training, pp), rank_moe_layers(model, training, pp))):
+        edges = _edge_shapes(model, tp, pp, stage)
+        root = (sum(prod(shape) for shape, _, _ in edges), sharded_elements(edges, d), len(edges)) if edges \
+            else (0, 0, 0)
+        out.append(([dense_unit] * (layers - moe) + [moe_unit] * moe, root))
+    return out
+
+
 def stage_expert_counts(model: ModelSpec, training: TrainingSpec | None, pp: int, etp: int, ep: int,
                         edp: int) -> list[tuple[int, int, int]]:
     """``(expert parameters, padded shard elements over edp, tensors)`` of every pipeline rank.

@@ -80,8 +80,12 @@ def memory_report(stages: list[dict], device_memory_bytes: int) -> dict:
             "fits": peak <= device_memory_bytes}
 
 
-def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL_BUFFSIZE_MB) -> dict:
+def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL_BUFFSIZE_MB,
+             mode: str = "pynative") -> dict:
     """Per-stage memory and per-step communication of ``layout`` training ``workload``.
+
+    ``mode``: the execution mode priced (:func:`~.runtime.what_runs`): ``"pynative"``
+    (the default, ``plan``/``suggest``) or ``"jit"`` (``msdist train --mode jit``).
 
     Returns:
         ``{"model": {...}, "memory": {"stages": [...], "peak_bytes", "device_memory_bytes",
@@ -104,14 +108,15 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
     sizes = (layout.tp, layout.cp, layout.pp, layout.dp)
     ep, etp = expert_axes(layout)
     configured = training
-    training, runtime, notes = what_runs(training, *sizes)
+    training, runtime, notes = what_runs(training, *sizes, mode=mode)
     notes = notes + dispatch_notes(model, training)
     stages = stage_rows(model, training, *sizes, communicator_bytes(layout, buffsize_mb), runtime, ep, etp)
     busiest = stage_slot_flops(model, training, layout.tp, layout.cp, layout.pp, runtime)["stage"]
     rows = traffic(model, training, *sizes, runtime, busiest, ep, etp)
     flags = crossing_flags(layout, experts=model.is_moe and hasattr(layout, "ep"))
     communication = timed(rows, flags, cluster)
-    timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime, ep=ep, etp=etp)
+    timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime, ep=ep, etp=etp,
+                       ranks_per_node=min(layout.devices_per_node or layout.world_size, layout.world_size))
     microbatches = num_microbatches(training, layout.dp, layout.world_size)
     summary = {
         "name": model.name,
@@ -130,6 +135,6 @@ def estimate(layout: Layout, workload: Workload, buffsize_mb: int = DEFAULT_HCCL
     if model.is_moe:
         summary["moe"] = moe_summary(model, training, layout, stages, rows, timing)
     time = {k: timing[k] for k in ("step_time_s", "breakdown", "tokens_per_s", "mfu")}
-    time.update({k: timing[k] for k in ("model_flops_per_step", "slot_s", "dp_reduce_s")})
+    time.update({k: timing[k] for k in ("model_flops_per_step", "slot_s", "dp_reduce_s", "oversubscription")})
     return {"model": summary, "memory": memory_report(stages, cluster.device_memory_bytes),
             "communication": communication, "time": time, "notes": notes}

@@ -199,17 +199,19 @@ def _general(notes: list) -> list:
     return out
 
 
-def _price(model, training, cluster, sizes: tuple, orders: list, runtime=None, experts: tuple = (1, None)) -> tuple:
+def _price(model, training, cluster, sizes: tuple, orders: list, runtime=None, experts: tuple = (1, None),
+           ranks_per_node: int | None = None) -> tuple:
     """The fastest ``(order, comm, flags, timing)`` of one size and training over ``orders``.
 
     ``orders`` holds ``(order, crossing flags)`` pairs; the first wins ties. ``experts``: ``(ep, etp)``.
+    ``ranks_per_node``: ranks sharing a node's cores (:func:`~.steptime.step_time`).
     """
     flops = stage_slot_flops(model, training, *sizes[:3], runtime)
     rows = traffic(model, training, *sizes, runtime, flops["stage"], *experts)
     best = None
     for order, flags in orders:
         timing = step_time(model, training, cluster, *sizes, crossing=flags, rows=rows, runtime=runtime,
-                           flops=flops, ep=experts[0], etp=experts[1])
+                           flops=flops, ep=experts[0], etp=experts[1], ranks_per_node=ranks_per_node)
         if best is None or timing["step_time_s"] < best[2]["step_time_s"]:
             best = (order, flags, timing)
     order, flags, timing = best
@@ -326,7 +328,7 @@ def suggest(workload: Workload, world_size: int, devices_per_node: int | None = 
                 if orders is None:
                     orders = _orders(layout, sizes, model.is_moe, dense_flags)
                 order, comm, flags, timing = _price(model, priced, cluster, (tp, cp, pp, dp), orders, runtime,
-                                                    (ep, etp))
+                                                    (ep, etp), min(devices_per_node, world_size))
                 if best is None or (timing["step_time_s"], peak) < (best["step_time_s"], best["peak_bytes"]):
                     best = _candidate(sizes, order, train, notes, stages, peak, timing, comm, flags, pp, ep, etp,
                                       world_size)

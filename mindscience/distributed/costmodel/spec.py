@@ -45,6 +45,9 @@ file and the dotted key::
       sequence_parallel: true
       virtual_pipeline_stages: 1  # > 1: the interleaved 1F1B schedule with v model chunks per rank
       overlap_grad_reduce: true   # the dp-cp gradient reduction overlaps the last backward
+      overlap_param_gather: false # ZeRO 1-2: the updated weights' all-gather overlaps the next forward
+      reshard_after_forward: true # ZeRO 3: free a unit's gathered weights after its forward, gather again
+      fsdp_prefetch: true         # ZeRO 3: gather the next unit while the current one computes
       context_parallel_method: ring   # ulysses | allgather_kv | ring
       first_stage_layers: null    # unequal pipeline stages (pipeline.split.stage_layers)
       last_stage_layers: null
@@ -62,6 +65,9 @@ file and the dotted key::
       peak_tflops: 300            # dense bf16/fp16 TFLOP/s per device
       compute_efficiency: 0.5     # the fraction of peak a transformer layer's matmuls reach
       devices_per_node: 8         # only used by `msdist suggest` (default 8)
+      cores_per_node: null        # CPU cores a node's ranks share (null: a device each; the cpu
+                                  # preset: this machine's, $MSDIST_CPU_CORES or the CPUs it may use)
+      op_overhead_us: 0           # framework time of one operator launch on a core of its own
 
 Example:
     >>> m = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -78,7 +84,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ..topology.layout_file import LAYOUT_KEYS, SECTIONS, read_yaml_mapping
-from .devices import DEVICE_PRESETS, PRESET_KEYS, device_names
+from .devices import DEVICE_PRESETS, PRESET_KEYS, device_names, local_cores
 from .errors import ModelError, ModelFileError
 from .moe_spec import check_moe, moe_layer_pattern
 from .values import _choice, _positive_int, is_finite_number
@@ -261,9 +267,23 @@ class TrainingSpec:
             ``num_layers % (pp * v) == 0`` and micro-batches divisible by pp.
         overlap_grad_reduce: The dp-cp gradient reduction runs during the backward of the
             last micro-batch (Megatron's ``--overlap-grad-reduce``); only what exceeds
-            that backward is exposed. False: all of it follows the backward. This
-            library reduces after the backward, so ``plan``/``suggest`` price it exposed
-            and say so in a note (:func:`~.runtime.what_runs`).
+            that backward is exposed. False: all of it follows the backward.
+            ``plan``/``suggest`` price the overlap only where the library runs it
+            (``optimizer.overlap_rules.grad_reduce_overlap``) and say so in a note where
+            it does not (:func:`~.runtime.what_runs`).
+        overlap_param_gather: ZeRO stages 1-2: the all-gather of the updated weights
+            overlaps the next step's forward (Megatron's ``--overlap-param-gather``); only
+            what exceeds that forward is exposed. False (the default): it follows the
+            optimizer step. Priced where the library runs it
+            (``optimizer.overlap_rules.param_gather_overlap``).
+        reshard_after_forward: ZeRO stage 3 (``fully_shard``): free each unit's gathered
+            weights after its forward and gather them again for its backward (FSDP2's
+            default, True): two all-gathers per unit and micro-batch, at most a few units'
+            gathered weights alive. False: one gather, kept from the forward to the
+            backward (a whole stage's weights alive).
+        fsdp_prefetch: ZeRO stage 3: gather the next unit's weights while the current one
+            computes (True, the default), so only the first unit's gather is exposed.
+            Priced where the library runs it (``fsdp.rules.fsdp_runtime``).
         zero_stage: What the dp-cp group shards (Rajbhandari et al. 2020): 0 nothing,
             1 the optimizer state (with the fp32 main weights), 2 also the gradients,
             3 also the weights (``fully_shard``). None: 1 with ``distributed_optimizer``,
@@ -297,6 +317,9 @@ class TrainingSpec:
     sequence_parallel: bool = True
     virtual_pipeline_stages: int = 1
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    reshard_after_forward: bool = True
+    fsdp_prefetch: bool = True
     zero_stage: int | None = None
     context_parallel_method: str = "ring"
     first_stage_layers: int | None = None
@@ -339,7 +362,8 @@ class TrainingSpec:
         _positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
         _choice("precision", self.precision, PRECISIONS)
         _choice("recompute", self.recompute, RECOMPUTE)
-        for name in ("distributed_optimizer", "sequence_parallel", "overlap_grad_reduce", "moe_static_slots"):
+        for name in ("distributed_optimizer", "sequence_parallel", "overlap_grad_reduce", "overlap_param_gather",
+                     "reshard_after_forward", "fsdp_prefetch", "moe_static_slots"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
 
@@ -397,6 +421,15 @@ class ClusterSpec:
             GPT models of 22B-1T parameters, Korthikanti et al. 2022).
         intra_node_latency_us: Time of one small collective inside a node, microseconds.
         inter_node_latency_us: The same across nodes.
+        cores_per_node: CPU cores the ranks of one node share (the ``cpu`` preset: this
+            machine's, :func:`~.devices.local_cores`); None (accelerators): every rank has a
+            device of its own. With more ranks than cores on a node, each rank runs
+            ``ranks / cores`` times slower (:meth:`oversubscription`): its compute, its
+            operator launches and its collectives, which wait for ranks that are not running.
+        op_overhead_us: Framework time of one operator launch on a core of its own
+            (microseconds, >= 0): the step model adds it per operator of a layer pass and
+            of the optimizer step (:func:`~.steptime.step_operators`). 0 (accelerators):
+            launches overlap the device's work.
         collective_latency_us: Optional, measured per collective inside a node: a tuple of
             ``(op, group_size, microseconds)`` (``op`` as the traffic rows name it:
             ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
@@ -425,6 +458,8 @@ class ClusterSpec:
     intra_node_latency_us: float | None = None
     inter_node_latency_us: float | None = None
     collective_latency_us: tuple | None = None
+    cores_per_node: int | None = None
+    op_overhead_us: float | None = None
 
     def __post_init__(self):
         preset = {}
@@ -450,6 +485,31 @@ class ClusterSpec:
             _positive_int("devices_per_node", self.devices_per_node)
         if self.collective_latency_us is not None:
             object.__setattr__(self, "collective_latency_us", _latency_table(self.collective_latency_us))
+        if self.cores_per_node is None and preset.get("cores_per_node") == "local":
+            object.__setattr__(self, "cores_per_node", local_cores())
+        if self.cores_per_node is not None:
+            _positive_int("cores_per_node", self.cores_per_node)
+        if self.op_overhead_us is None:
+            object.__setattr__(self, "op_overhead_us", preset.get("op_overhead_us", 0.0))
+        if not is_finite_number(self.op_overhead_us) or self.op_overhead_us < 0:
+            raise ModelError(
+                f"op_overhead_us={self.op_overhead_us!r} is invalid: expected a finite number >= 0, the "
+                "microseconds of one operator launch (0 on accelerators, whose launches overlap their work).")
+
+    def oversubscription(self, ranks_on_node: int) -> float:
+        """How many times slower a rank runs when ``ranks_on_node`` ranks share the node's cores.
+
+        ``ranks / cores_per_node`` when above 1 (the cores are time-shared: a rank computes,
+        launches operators and answers its collectives a ``cores/ranks`` share of the time),
+        else 1; always 1 without ``cores_per_node`` (a device per rank).
+
+            >>> c = ClusterSpec(device="cpu", cores_per_node=2)
+            >>> c.oversubscription(8), c.oversubscription(2), c.oversubscription(1)
+            (4.0, 1.0, 1.0)
+        """
+        if not self.cores_per_node:
+            return 1.0
+        return max(1.0, ranks_on_node / self.cores_per_node)
 
     def collective_latency_s(self, op: str, group_size: int, crosses: bool = False) -> float:
         """Seconds of one small call of ``op`` on ``group_size`` ranks.
@@ -528,6 +588,7 @@ _SCHEMAS = {
         "micro_batch_size": _INT, "global_batch_size": _INT, "precision": ((str,), "one of bf16, fp16, fp32"),
         "distributed_optimizer": _BOOL, "recompute": ((str,), "one of none, selective, full"),
         "sequence_parallel": _BOOL, "virtual_pipeline_stages": _INT, "overlap_grad_reduce": _BOOL,
+        "overlap_param_gather": _BOOL, "reshard_after_forward": _BOOL, "fsdp_prefetch": _BOOL,
         "zero_stage": ((int,), "one of 0, 1, 2, 3"),
         "context_parallel_method": ((str,), "one of ulysses, allgather_kv, ring"),
         "first_stage_layers": _INT, "last_stage_layers": _INT,
@@ -540,9 +601,11 @@ _SCHEMAS = {
         "peak_tflops": _NUM, "compute_efficiency": _NUM, "intra_node_latency_us": _NUM,
         "inter_node_latency_us": _NUM,
         "collective_latency_us": ((list, tuple), "a list of [op, group_size, microseconds] entries"),
+        "cores_per_node": _INT, "op_overhead_us": _NUM,
     }),
 }
 _OPTIONAL = {"num_query_groups", "ffn_hidden_size", "name", "global_batch_size", "devices_per_node", "device",
+             "cores_per_node", "op_overhead_us",
              *PRESET_KEYS, "compute_efficiency", "zero_stage", "first_stage_layers", "last_stage_layers",
              "normalization", "activation", "position_embedding", "tie_embeddings", "bias", "dropout", *MOE_KEYS}
 _LOWERED = {"precision", "recompute", "context_parallel_method", "normalization", "activation",

@@ -18,8 +18,14 @@ For the busiest pipeline stage of a layout (sources and derivations in docs/COST
   al. 2021, sec. 2.2): ``2 * v * (m + p - 1)`` transfers (:func:`pipeline_transfers`).
 * **dp**: the dp-cp traffic of the ZeRO stage (:func:`~.comm.zero_traffic`); with
   ``overlap_grad_reduce`` (stages 0-2) only what exceeds the backward of the last
-  micro-batch is exposed. ``plan``/``suggest`` price it exposed: the library reduces
-  after the backward (:mod:`.runtime`).
+  micro-batch is exposed, with ``overlap_param_gather`` (stages 1-2) the weights' gather
+  beyond the first forward; at stage 3 with prefetching, the gathers and reduce-scatters
+  beyond the compute of their neighbouring units. ``plan``/``suggest`` price overlap only
+  where the library runs it (:mod:`.runtime`).
+* **launches and shared cores**: ``cluster.op_overhead_us`` per operator a rank launches
+  (:func:`step_operators`) joins the compute; where ``ranks_per_node`` ranks share
+  ``cluster.cores_per_node`` cores (the ``cpu`` preset), every term is
+  :meth:`~.spec.ClusterSpec.oversubscription` times longer.
 
 ``step_time_s`` is the sum of the six exposed terms, so the breakdown adds up.
 ``mfu`` is the model's FLOPs per second (no recomputation) over ``world * peak``.
@@ -39,10 +45,10 @@ both layers: 24,576 FLOPs, 24.576 ns::
 
 from __future__ import annotations
 
-from .comm import recompute_passes, traffic
+from .comm import fsdp_gathers, recompute_passes, traffic
 from .memory import BYTES, num_microbatches, pipeline_bubble, ring_attention
 from .moe_spec import dispatch_imbalance
-from .params import expert_fc1_width, mlp_fc1_width, model_stage_layers, rank_moe_layers
+from .params import expert_fc1_width, mlp_fc1_width, model_stage_layers, rank_moe_layers, stage_counts, stage_units
 from .spec import ClusterSpec, ModelSpec, TrainingSpec
 
 TERMS = ("compute_s", "bubble_s", "tp_s", "cp_s", "pp_s", "dp_s")
@@ -151,6 +157,57 @@ def stage_slot_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int,
     return best
 
 
+# Operator launches (a nominal count of the library's kernels; op_overhead_us prices each):
+# one layer's forward launches its two norms, four linear layers and their biases, the
+# heads' reshapes and transposes, the attention core (scores, scale, mask, softmax, P V),
+# the activation and two residual adds; the embedding stage and the head stage (final
+# norm, logits, loss) a few more. A backward launches about two per forward operator,
+# AdamW about twelve per parameter tensor (moments, bias corrections, update, copies).
+LAYER_FORWARD_OPS = 24
+EDGE_FORWARD_OPS = 8
+BACKWARD_OPS_PER_FORWARD = 2
+OPTIMIZER_OPS_PER_TENSOR = 12
+
+
+def step_operators(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
+                   stage: int, runtime=None) -> dict:
+    """Operators pipeline rank ``stage`` launches: ``{"forward", "backward"}`` per micro-batch, ``"optimizer"`` per step.
+
+    A layer's forward launches :data:`LAYER_FORWARD_OPS`, the first and the last stage
+    :data:`EDGE_FORWARD_OPS` more each; the backward :data:`BACKWARD_OPS_PER_FORWARD`
+    per forward operator plus the re-run forwards (:func:`~.comm.recompute_passes`); the
+    optimizer step :data:`OPTIMIZER_OPS_PER_TENSOR` per parameter tensor of the rank.
+
+        >>> toy = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=1, seq_length=8, vocab_size=0)
+        >>> step_operators(toy, TrainingSpec(), 1, 1, 1, 1, 0)  # 2 x 24 + 2 x 8; 2 x 12 + 3 tensors
+        {'forward': 64, 'backward': 128, 'optimizer': 324}
+    """
+    chunks = model_stage_layers(model, training, pp)
+    layers = sum(chunks[stage::pp])
+    edges = (stage == 0) + (stage == pp - 1)
+    forward = layers * LAYER_FORWARD_OPS + edges * EDGE_FORWARD_OPS
+    again = recompute_passes(model, training, pp, stage, runtime, chunks) * layers * LAYER_FORWARD_OPS
+    tensors = stage_counts(model, tp, pp, dp * cp, training)[stage][2]
+    return {"forward": forward, "backward": round(BACKWARD_OPS_PER_FORWARD * forward + again),
+            "optimizer": OPTIMIZER_OPS_PER_TENSOR * tensors}
+
+
+def hidden_behind(comm_s: float, compute_s: float, pieces: int = 1) -> float:
+    """Exposed seconds of ``comm_s`` of collectives overlapped with ``compute_s`` of compute.
+
+    What exceeds the compute, and at least the first of ``pieces`` equal buckets (it
+    starts before any compute can hide it, or finishes after the last):
+    ``max(comm / pieces, comm - compute)``, never more than ``comm``.
+
+        >>> hidden_behind(3.0, 10.0, 3), hidden_behind(3.0, 1.0), hidden_behind(3.0, 10.0)
+        (1.0, 2.0, 0.0)
+    """
+    if comm_s <= 0:
+        return 0.0
+    floor = comm_s / pieces if pieces > 1 else 0.0
+    return min(comm_s, max(floor, comm_s - compute_s))
+
+
 def _link(cluster: ClusterSpec, crosses: bool) -> tuple[float, float]:
     """(bytes per second, seconds per call) of a group's link."""
     if crosses:
@@ -178,12 +235,13 @@ def backend_calls(row: dict, cluster: ClusterSpec) -> int:
     return 2 if composed and row["op"] == "send_recv" and row["group"] != "pp" and row["group_size"] > 2 else 1
 
 
-def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, crosses: bool) -> float:
+def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, crosses: bool,
+                       ops: tuple | None = None) -> float:
     """Alpha-beta time of a group's rows from :func:`~.comm.traffic`: ``calls * latency + bytes / bandwidth``.
 
     The latency of a row is its op's on its group size (:meth:`~.spec.ClusterSpec.collective_latency_s`:
     a calibrated ``collective_latency_us``, else the link's one latency; a transfer's group
-    is its pair), times :func:`backend_calls`.
+    is its pair), times :func:`backend_calls`. ``ops``: only the rows of these ops.
     """
     bandwidth, _ = _link(cluster, crosses)
 
@@ -192,7 +250,8 @@ def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, cross
         return backend_calls(r, cluster) * cluster.collective_latency_s(r["op"], n, crosses)
 
     # Start at 0.0: a group without rows (size 1) is 0.0 s, a float like every other term.
-    return sum((r["count"] * latency(r) + r["bytes"] / bandwidth for r in rows if r["group"] == group), 0.0)
+    return sum((r["count"] * latency(r) + r["bytes"] / bandwidth for r in rows
+                if r["group"] == group and (ops is None or r["op"] in ops)), 0.0)
 
 
 def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> int:
@@ -214,28 +273,40 @@ def pipeline_transfers(pp: int, microbatches: int, virtual_stages: int = 1) -> i
 
 def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp: int, cp: int, pp: int, dp: int,
               crossing: dict | None = None, rows: list[dict] | None = None, runtime=None,
-              flops: dict | None = None, ep: int = 1, etp: int | None = None) -> dict:
+              flops: dict | None = None, ep: int = 1, etp: int | None = None,
+              ranks_per_node: int | None = None) -> dict:
     """The step time of one layout and its exposed breakdown.
 
     Args:
-        model, training, cluster: The workload.
-        tp, cp, pp, dp: Axis sizes.
+        model: The model.
+        training: The training, as the library runs it (:func:`~.runtime.what_runs`).
+        cluster: The devices.
+        tp: Tensor-parallel size.
+        cp: Context-parallel size.
+        pp: Pipeline-parallel size.
+        dp: Data-parallel size.
         crossing: ``{group key: spans nodes}`` for ``tp``, ``cp``, ``pp`` and ``dp-cp``
             (from :func:`~.comm.crossing_flags`); missing keys stay inside a node.
         rows: :func:`~.comm.traffic` of these sizes, when the caller has it already.
         runtime: :class:`~.runtime.Runtime` of :func:`~.runtime.what_runs` (None: no
-            pipeline re-run forward), for the compute and, without ``rows``, the traffic.
+            pipeline re-run forward, ``fully_shard`` per parameter), for the compute and,
+            without ``rows``, the traffic.
         flops: :func:`stage_slot_flops` of the same arguments, when the caller has it.
-        ep, etp: The expert axes of a MoE model (etp None: tp). Its breakdown gains
-            ``ep_s``, the token dispatch (the ``ep`` all-to-alls and ``etp`` gathers, all
-            exposed), and ``dp_s`` also reduces the expert gradients over ``edp``
-            (crossing keys ``ep``, ``etp``, ``edp``).
+        ep: The expert-parallel size of a MoE model. Its breakdown gains ``ep_s``, the
+            token dispatch (the ``ep`` all-to-alls and ``etp`` gathers, all exposed), and
+            ``dp_s`` also reduces the expert gradients over ``edp`` (crossing keys
+            ``ep``, ``etp``, ``edp``).
+        etp: The expert tensor-parallel size (None: tp).
+        ranks_per_node: Ranks sharing one node's cores (None: the whole world), for
+            :meth:`~.spec.ClusterSpec.oversubscription`.
 
     Returns:
         ``{"step_time_s", "breakdown": {compute_s, bubble_s, tp_s, cp_s, pp_s, dp_s},
         "tokens_per_s", "mfu", "model_flops_per_step", "microbatches", "virtual_stages",
-        "pipeline_bubble", "slot_s", "dp_reduce_s"}`` (``dp_reduce_s``: the whole gradient
-        reduction, of which ``dp_s`` is exposed).
+        "pipeline_bubble", "slot_s", "dp_reduce_s", "oversubscription", "operators"}``
+        (``dp_reduce_s``: the whole dp-cp traffic, of which ``dp_s`` is exposed;
+        ``oversubscription``: the factor every term was slowed by; ``operators``:
+        :func:`step_operators` of the busiest rank).
     """
     crossing = crossing or {}
     world = tp * cp * pp * dp
@@ -243,12 +314,21 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
     v = training.virtual_pipeline_stages if pp > 1 else 1
     flops = stage_slot_flops(model, training, tp, cp, pp, runtime) if flops is None else flops
     rows = traffic(model, training, tp, cp, pp, dp, runtime, flops["stage"], ep, etp) if rows is None else rows
+    # Ranks sharing cores run `slow` times slower: compute, launches and collectives alike.
+    slow = cluster.oversubscription(world if ranks_per_node is None else min(ranks_per_node, world))
     rate = cluster.effective_flops
-    slot = flops["total"] / rate
-    compute = m * slot
-    bubble = compute * pipeline_bubble(pp, m, v) if pp > 1 else 0.0
-    tp_s = collective_seconds(rows, "tp", cluster, bool(crossing.get("tp")))
-    cp_s = collective_seconds(rows, "cp", cluster, bool(crossing.get("cp")))
+    launch = cluster.op_overhead_us * 1e-6
+    ops = step_operators(model, training, tp, cp, pp, dp, flops["stage"], runtime)
+    forward_s = slow * (flops["forward"] / rate + ops["forward"] * launch)
+    backward_s = slow * (flops["backward"] / rate + ops["backward"] * launch)
+    slot = forward_s + backward_s
+    compute = m * slot + slow * ops["optimizer"] * launch
+    bubble = m * slot * pipeline_bubble(pp, m, v) if pp > 1 else 0.0
+
+    def seconds(group, ops=None):
+        return slow * collective_seconds(rows, group, cluster, bool(crossing.get(group)), ops)
+
+    tp_s, cp_s = seconds("tp"), seconds("cp")
     pp_s = 0.0
     if pp > 1:
         bandwidth, _ = _link(cluster, bool(crossing.get("pp")))
@@ -256,16 +336,21 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
         sp = training.sequence_parallel and tp > 1
         message = model.seq_length // cp * training.micro_batch_size * model.hidden_size
         message = message * BYTES[training.precision]["activation"] // (tp if sp else 1)
-        pp_s = pipeline_transfers(pp, m, v) * (latency + message / bandwidth)
-    dp_reduce = collective_seconds(rows, "dp-cp", cluster, bool(crossing.get("dp-cp")))
-    dp_reduce += collective_seconds(rows, "edp", cluster, bool(crossing.get("edp")))
-    # ZeRO-3's gathers precede each forward: nothing of them hides behind the backward.
-    hidden = flops["backward"] / rate if training.overlap_grad_reduce and training.zero_stage < 3 else 0.0
-    dp_s = max(0.0, dp_reduce - hidden)
+        pp_s = slow * pipeline_transfers(pp, m, v) * (latency + message / bandwidth)
+    dp_reduce = seconds("dp-cp") + seconds("edp")
+    grads = seconds("dp-cp", ("all_reduce", "reduce_scatter")) + seconds("edp", ("all_reduce", "reduce_scatter"))
+    gathers = dp_reduce - grads
+    if training.zero_stage < 3:
+        # overlap_grad_reduce: the buckets reduce during the last micro-batch's backward;
+        # overlap_param_gather: the updated weights' gather during the first one's forward.
+        dp_s = (hidden_behind(grads, backward_s) if training.overlap_grad_reduce else grads) \
+            + (hidden_behind(gathers, forward_s) if training.overlap_param_gather else gathers)
+    else:
+        dp_s = _fsdp_exposed(model, training, tp, pp, dp * cp, m, runtime, flops["stage"], seconds,
+                             forward_s, backward_s)
     breakdown = {"compute_s": compute, "bubble_s": bubble, "tp_s": tp_s, "cp_s": cp_s, "pp_s": pp_s, "dp_s": dp_s}
     if model.is_moe:
-        breakdown[MOE_TERM] = (collective_seconds(rows, "ep", cluster, bool(crossing.get("ep")))
-                               + collective_seconds(rows, "etp", cluster, bool(crossing.get("etp"))))
+        breakdown[MOE_TERM] = seconds("ep") + seconds("etp")
     total = sum(breakdown.values())
     samples = m * training.micro_batch_size * dp
     model_flops = samples * model_flops_per_sample(model)
@@ -280,4 +365,31 @@ def step_time(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, tp
         "pipeline_bubble": pipeline_bubble(pp, m, v),
         "slot_s": slot,
         "dp_reduce_s": dp_reduce,
+        "oversubscription": slow,
+        "operators": ops,
     }
+
+
+def _fsdp_exposed(model, training, tp, pp, d, m, runtime, stage, seconds, forward_s, backward_s) -> float:
+    """Exposed seconds of ZeRO-3's dp-cp traffic (the dense weights; expert rows over edp as at stage 2).
+
+    Without prefetching (``fully_shard`` before units, or ``fsdp_prefetch`` off) every
+    gather and reduce-scatter is exposed. With it, per micro-batch the forward's gathers
+    (one per unit) hide behind the forward but for the first unit's, and the backward's
+    (the second gather of resharded units, the per-unit reduce-scatters) behind the
+    backward but for one unit's (:func:`hidden_behind`).
+    """
+    dense = seconds("dp-cp")
+    experts = seconds("edp")
+    if runtime is None or not runtime.fsdp_units or not training.fsdp_prefetch or d <= 1:
+        return dense + experts
+    counts = stage_counts(model, tp, pp, d, training)
+    leaves, root = stage_units(model, tp, pp, d, training)[counts.index(max(counts))]
+    units = len(leaves) + (1 if root[0] else 0)
+    gathers = fsdp_gathers(runtime, runtime.stage_recompute and pp > 1)
+    # The forward gathers every unit once; the backward the leaves again (gathers - 1 times).
+    gather_s = seconds("dp-cp", ("all_gather",)) / m
+    again = gather_s * (gathers - 1) * len(leaves) / max(1, gathers * len(leaves) + (1 if root[0] else 0))
+    scatter_s = seconds("dp-cp", ("reduce_scatter",)) / m
+    exposed = hidden_behind(gather_s - again, forward_s, units) + hidden_behind(again + scatter_s, backward_s, units)
+    return m * exposed + experts
