@@ -11,7 +11,9 @@
    after the first;
 3. the predicted step is ``msdist train``'s "predicted" column: the same
    ``build_options`` / ``training_spec`` / ``run_cluster`` (the ``cpu`` preset,
-   ``--calibrate`` from the verify report) and ``costmodel.estimate``.
+   ``--calibrate`` from the verify report; with ``--uncalibrated`` the preset alone, as
+   ``msdist train`` without ``--calibrate``: no verify run) and ``costmodel.estimate`` in
+   the run's mode.
 
 Prints (and with ``--output`` writes as JSON) the table with each layout's predicted
 terms, the median |error|, Spearman's rank correlation, and a non-negative least-squares
@@ -19,7 +21,7 @@ fit ``measured ~ sum_k c_k * term_k`` over the layouts: ``c_k`` far from 1 names
 of the model that is furthest from the measurement.
 
 Run:  python bench/validate_train.py [--model tiny-gpt] [--steps 3] [--mode jit]
-                                     [--report verify.json] [--output result.json]
+                                     [--report verify.json | --uncalibrated] [--output result.json]
 """
 
 from __future__ import annotations
@@ -248,6 +250,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report", help="reuse a verify report instead of running msdist verify")
     parser.add_argument("--output", help="write the rows, fit and calibration as JSON here")
     parser.add_argument("--reprice", help="a previous --output: price its measured layouts again (no launch)")
+    parser.add_argument("--uncalibrated", action="store_true",
+                        help="price with the cpu preset (msdist train without --calibrate): no verify run")
     args = parser.parse_args(argv)
     command = "python bench/validate_train.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     workload = load_workload(resolve_model(args.model))
@@ -267,13 +271,16 @@ def main(argv=None) -> int:
         measured = {tuple(r["layout"]): {"step_s": r["measured_s"], **{k: r[k] for k in
                     ("per_step_s", "losses", "build_s")}} for r in old["rows"]}
         cases = [c for c in cases if (c[0].tp, c[0].cp, c[0].pp, c[0].dp) in measured]
-        return summarize(args, command, cases, skipped, measured, Path(args.report or old["report"]),
+        report = None if args.uncalibrated else Path(args.report or old["report"])
+        return summarize(args, command, cases, skipped, measured, report,
                          {k: old[k] for k in ("started", "wall_s", "load_before", "load_after", "load_samples")})
     work = Path(tempfile.mkdtemp(prefix="msdist-validate-train-"))
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    report_path = Path(args.report) if args.report else run_verify(work, args.timeout)
-    if report_path is None:
-        return 1
+    report_path = None
+    if not args.uncalibrated:
+        report_path = Path(args.report) if args.report else run_verify(work, args.timeout)
+        if report_path is None:
+            return 1
     model_map = asdict(workload.model)
     checks = [{"name": "bench.train_layout",
                "params": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "model": model_map,
@@ -303,26 +310,31 @@ def main(argv=None) -> int:
     return summarize(args, command, cases, skipped, measured, report_path, run)
 
 
-def summarize(args, command: str, cases: list, skipped: list, measured: dict, report_path: Path, run: dict) -> int:
+def summarize(args, command: str, cases: list, skipped: list, measured: dict, report_path: Path | None,
+              run: dict) -> int:
     """Price every measured layout, print the table and the figures, write ``--output``."""
     rows, cluster, sources = [], None, None
     cases = [c for c in cases if (c[0].tp, c[0].cp, c[0].pp, c[0].dp) in measured]
     for lay, workload, _ in cases:
-        priced = run_cluster(workload, lay, True, str(report_path))
-        est = estimate(lay, priced)
+        priced = run_cluster(workload, lay, True, str(report_path) if report_path else None)
+        est = estimate(lay, priced, mode=args.mode)
         cluster = priced.cluster
         key = (lay.tp, lay.cp, lay.pp, lay.dp)
         got = measured[key]
         rows.append({"layout": key, "microbatches": est["model"]["num_microbatches"],
                      "predicted_s": est["time"]["step_time_s"], "measured_s": got["step_s"],
                      "breakdown": est["time"]["breakdown"], "per_step_s": got["per_step_s"],
+                     "oversubscription": est["time"]["oversubscription"],
                      "losses": got["losses"], "build_s": got["build_s"], "layer_passes": layer_passes(workload, lay),
                      "calls": {g: sum(r["count"] for r in est["communication"]["per_step"] if r["group"] == g)
                                for g in ("tp", "cp", "pp", "dp-cp")}})
     from mindscience.distributed.costmodel.calibrate import calibrate, read_report
     from mindscience.distributed.costmodel.spec import ClusterSpec
 
-    _, sources = calibrate(ClusterSpec(device="cpu"), read_report(report_path), report_path.name)
+    if report_path is not None:
+        _, sources = calibrate(ClusterSpec(device="cpu"), read_report(report_path), report_path.name)
+    else:
+        sources = "the cpu preset (no --calibrate)"
     errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]) if len(rows) > 1 else float("nan")
     fit = term_fit(rows) if len(rows) > 2 else None
@@ -332,8 +344,10 @@ def summarize(args, command: str, cases: list, skipped: list, measured: dict, re
     print(f"started {run['started']}; {WORLD} ranks, {len(rows)} layouts, launch wall {run['wall_s']:.0f} s; load "
           f"before {run['load_before']}, after {run['load_after']}, 1-min load during the launch "
           f"{min(loads):.2f}-{max(loads):.2f} (median {statistics.median(loads):.2f}); verify report {report_path}")
-    print(f"calibrated: {cluster.effective_flops / 1e12:.4g} TFLOP/s, intra-node {cluster.intra_node_gbps:.4g} GB/s, "
-          f"{cluster.intra_node_latency_us:.4g} us per call")
+    print(f"{'calibrated' if report_path else 'cpu preset'}: {cluster.effective_flops / 1e12:.4g} TFLOP/s, "
+          f"intra-node {cluster.intra_node_gbps:.4g} GB/s, {cluster.intra_node_latency_us:.4g} us per call, "
+          f"{cluster.op_overhead_us:.4g} us per operator, {cluster.cores_per_node} cores "
+          f"(oversubscription x{rows[0]['oversubscription'] if rows else 1:g})")
     if skipped:
         print("not measured: " + "; ".join(f"{s}: {why}" for s, why in skipped))
     print()
@@ -350,7 +364,7 @@ def summarize(args, command: str, cases: list, skipped: list, measured: dict, re
               f"{fit_passes['median_abs_error']:.0%}, Spearman {fit_passes['spearman']:.2f})")
     if args.output:
         Path(args.output).write_text(json.dumps({
-            "command": command, **run, "report": str(report_path),
+            "command": command, **run, "report": str(report_path) if report_path else None,
             "cluster": asdict(cluster), "sources": sources, "rows": rows, "skipped": skipped,
             "median_abs_error": statistics.median(errors), "spearman": rho, "fit": fit,
             "fit_with_layer_passes": fit_passes}, indent=2))

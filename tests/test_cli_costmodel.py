@@ -361,7 +361,10 @@ def test_bad_architecture_and_training_values_exit_2(tmp_path, extra, fragments)
     assert_bad_input(invoke("suggest", "--model", path, "--world", "8"), path, *fragments)
 
 
-def test_plan_notes_in_json_and_on_stderr(tmp_path):
+def test_plan_notes_in_json_and_on_stderr(tmp_path, monkeypatch):
+    from test_costmodel import _optimizer_rules
+
+    _optimizer_rules(monkeypatch, {})  # the library before issue 37's overlap: notes say what it runs instead
     result = invoke("plan", "cpu-8-pp2", "-m", "tiny-gpt", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -370,7 +373,8 @@ def test_plan_notes_in_json_and_on_stderr(tmp_path):
     assert not any(n.startswith("pp=") for n in notes)
     assert any("overlap_grad_reduce" in n for n in notes)
     assert result.stderr.strip().splitlines() == [f"msdist: note: {n}" for n in notes]
-    assert data["model"]["runtime"] == {"stage_recompute": False}
+    assert data["model"]["runtime"] == {"stage_recompute": False, "fsdp_units": False, "fsdp_gathers_per_unit": 1,
+                                        "fsdp_units_alive": None}
     assert data["model"]["training"]["overlap_grad_reduce"] is True
     assert data["model"]["priced_training"]["overlap_grad_reduce"] is False
     assert data["model"]["architecture"]["activation"] == "gelu" and data["model"]["zero_stage"] == 0
@@ -380,6 +384,22 @@ def test_plan_notes_in_json_and_on_stderr(tmp_path):
     # tp only, no dp, no pipeline: the library runs what is configured, no note.
     quiet = invoke("plan", write(tmp_path, "world_size: 4\ntp: 4\n"), "-m", "tiny-gpt", "--format", "json")
     assert json.loads(quiet.stdout)["notes"] == [] and quiet.stderr == ""
+
+
+def test_plan_carries_no_runtime_note_where_the_library_overlaps(tmp_path, monkeypatch):
+    from test_costmodel import _optimizer_rules, _rules_of_issue_37
+
+    _optimizer_rules(monkeypatch, _rules_of_issue_37())
+    # 1F1B at tp2 x pp2 x dp2 and FSDP at dp4: kept stage forwards, the reduction overlapped after each
+    # chunk's last backward, per-unit prefetched gathers: nothing priced differs from the configuration.
+    data = json.loads(invoke("plan", "cpu-8-pp2", "-m", "tiny-gpt", "--format", "json").stdout)
+    runtime_notes = [n for n in data["notes"] if not n.startswith("compiled mode:")]
+    assert runtime_notes == [] and data["model"]["priced_training"]["overlap_grad_reduce"] is True
+    model = write(tmp_path, SMALL_MODEL + "training:\n  zero_stage: 3\n", "model.yaml")
+    data = json.loads(invoke("plan", write(tmp_path, "world_size: 4\n"), "-m", model, "--format", "json").stdout)
+    assert data["notes"] == []
+    assert data["model"]["runtime"] == {"stage_recompute": False, "fsdp_units": True, "fsdp_gathers_per_unit": 2,
+                                        "fsdp_units_alive": 2}
 
 
 def test_plan_memory_per_stage_with_unequal_stages(tmp_path):
