@@ -614,3 +614,80 @@ def test_a_ring_shift_over_more_than_two_ranks_is_two_pair_transfers_on_the_cpu_
     # cp = 2: one exchange with the one neighbour, the same on both.
     two = [step_time(model, train, c, tp=1, cp=2, pp=1, dp=1)["breakdown"]["cp_s"] for c in (composed, native)]
     assert two[0] == pytest.approx(two[1])
+
+
+# ------------------------------------------------------------------ ranks sharing cores (the cpu preset)
+def test_oversubscription_is_ranks_over_cores_and_only_where_cores_are_shared(monkeypatch):
+    monkeypatch.setenv("MSDIST_CPU_CORES", "2")
+    cpu = ClusterSpec(device="cpu")
+    assert cpu.cores_per_node == 2 and cpu.op_overhead_us == DEVICE_PRESETS["cpu"]["op_overhead_us"]
+    assert [cpu.oversubscription(n) for n in (1, 2, 3, 4, 8)] == [1.0, 1.0, 1.5, 2.0, 4.0]
+    assert ClusterSpec(device="cpu", cores_per_node=8).oversubscription(8) == 1.0
+    # Accelerators: a device per rank, never slowed, no launch cost.
+    gpu = ClusterSpec(device="h100-80gb")
+    assert (gpu.cores_per_node, gpu.op_overhead_us, gpu.oversubscription(1024)) == (None, 0.0, 1.0)
+    monkeypatch.setenv("MSDIST_CPU_CORES", "two")
+    with pytest.raises(ModelError, match="MSDIST_CPU_CORES='two' is invalid: expected a whole number of cores"):
+        ClusterSpec(device="cpu")
+    monkeypatch.delenv("MSDIST_CPU_CORES")
+    import os
+
+    assert ClusterSpec(device="cpu").cores_per_node == len(os.sched_getaffinity(0))
+    with pytest.raises(ModelError, match="cores_per_node=0 is invalid"):
+        ClusterSpec(cores_per_node=0)
+    with pytest.raises(ModelError, match="op_overhead_us=-1 is invalid: expected a finite number >= 0"):
+        ClusterSpec(op_overhead_us=-1)
+
+
+def test_four_ranks_on_two_cores_take_twice_as_long_as_two():
+    # TOY at tp2 x dp2 (4 ranks), one micro-batch each: 2 layers x 4,096 FLOPs / 2 (tp) forward, x3 with the
+    # backward: 12,288 FLOPs at 1 TFLOP/s; operators (2 x 24 + 2 x 8) forward, twice that backward, and AdamW's
+    # 12 per tensor of the rank (2 x 12 + 3: the layers, the positions, the final norm): (64 + 128 + 324) x 100 us.
+    training = TrainingSpec(global_batch_size=2, sequence_parallel=False, precision="fp32",
+                            overlap_grad_reduce=False)
+    host = cluster(cores_per_node=2, op_overhead_us=100)
+    alone = step_time(TOY, training, host, tp=2, cp=1, pp=1, dp=2, ranks_per_node=2)
+    shared = step_time(TOY, training, host, tp=2, cp=1, pp=1, dp=2, ranks_per_node=4)
+    assert alone["operators"] == {"forward": 64, "backward": 128, "optimizer": 324}
+    assert alone["oversubscription"] == 1.0 and shared["oversubscription"] == 2.0
+    assert alone["breakdown"]["compute_s"] == pytest.approx(12_288 / 1e12 + (64 + 128 + 324) * 100e-6)
+    # tp: 4 all-reduces x 2 layers of s*b*h*4 = 128 bytes (x 2(2-1)/2 sent) at 10 us and 1 GB/s.
+    assert alone["breakdown"]["tp_s"] == pytest.approx(8 * (10e-6 + 128 / 1e9))
+    # Sharing 2 cores among 4 ranks: the compute, the launches and every collective take twice as long.
+    for term in ("compute_s", "tp_s", "dp_s"):
+        assert shared["breakdown"][term] == pytest.approx(2 * alone["breakdown"][term]) and alone["breakdown"][term] > 0
+    assert shared["step_time_s"] == pytest.approx(2 * alone["step_time_s"])
+    # The same world on accelerators (no cores_per_node): nothing slowed, no launches priced.
+    device = step_time(TOY, training, cluster(), tp=2, cp=1, pp=1, dp=2, ranks_per_node=4)
+    assert device["breakdown"]["compute_s"] == pytest.approx(12_288 / 1e12)
+
+
+def test_the_cpu_preset_prices_the_ranks_of_one_node(monkeypatch):
+    # estimate: the layout's devices_per_node decides how many ranks share a node's cores.
+    monkeypatch.setenv("MSDIST_CPU_CORES", "2")
+    workload = Workload(model=TOY, training=TrainingSpec(global_batch_size=8), cluster=ClusterSpec(device="cpu"))
+    one_node = estimate(Layout(world_size=8, devices_per_node=8), workload)["time"]
+    two_nodes = estimate(Layout(world_size=8, devices_per_node=4), workload)["time"]
+    assert (one_node["oversubscription"], two_nodes["oversubscription"]) == (4.0, 2.0)
+    assert one_node["breakdown"]["compute_s"] == pytest.approx(2 * two_nodes["breakdown"]["compute_s"])
+
+
+def test_new_training_and_cluster_keys_parse_and_validate(tmp_path):
+    from mindscience.distributed.costmodel.errors import ModelFileError
+    from mindscience.distributed.costmodel.spec import section_from_mapping
+
+    got = section_from_mapping("training", {"overlap_param_gather": True, "reshard_after_forward": False,
+                                            "fsdp_prefetch": False}, "m.yaml")
+    assert (got.overlap_param_gather, got.reshard_after_forward, got.fsdp_prefetch) == (True, False, False)
+    default = TrainingSpec()
+    assert (default.overlap_param_gather, default.reshard_after_forward, default.fsdp_prefetch) == (False, True, True)
+    for key in ("overlap_param_gather", "reshard_after_forward", "fsdp_prefetch"):
+        with pytest.raises(ModelFileError, match=f"key 'training.{key}' has value 'yes' \\(str\\): expected true or false"):
+            section_from_mapping("training", {key: "yes"}, "m.yaml")
+        with pytest.raises(ModelError, match=f"{key}=1 is invalid: expected true or false"):
+            TrainingSpec(**{key: 1})
+    host = section_from_mapping("cluster", {"device": "cpu", "cores_per_node": 16, "op_overhead_us": 250},
+                                "m.yaml")
+    assert (host.cores_per_node, host.op_overhead_us) == (16, 250)
+    with pytest.raises(ModelFileError, match="m.yaml: cluster.cores_per_node=0 is invalid"):
+        section_from_mapping("cluster", {"cores_per_node": 0}, "m.yaml")
