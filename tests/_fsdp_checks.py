@@ -76,25 +76,31 @@ def _model_classes():
             return self.lin(ops.tanh(self.dense(self.ln(h))))
 
     class Net(nn.Cell):
-        def __init__(self, sp, vocab=VOCAB, hidden=HIDDEN, ffn=FFN):
+        def __init__(self, sp, vocab=VOCAB, hidden=HIDDEN, ffn=FFN, layers=1):
             super().__init__()
             from mindscience.distributed import manager
 
             self.tp = manager.get_tensor_parallel_group()  # compiled code cannot look it up
             self.embed = VocabParallelEmbedding(vocab + (vocab % 2), hidden, sequence_parallel=sp)
             self.block = Block(sp, hidden, ffn)
+            # More blocks (fsdp.units): one fully_shard unit each.
+            self.more = nn.CellList([Block(sp, hidden, ffn) for _ in range(layers - 1)])
             self.head = ColumnParallelLinear(hidden, vocab + (vocab % 2), bias=False,
                                              gather_output=False, use_sequence_parallel=sp,
                                              compute_dtype=None)
 
         def construct(self, ids, targets):
-            logits = self.head(self.block(self.embed(ids)))
+            h = self.block(self.embed(ids))
+            for block in self.more:
+                h = block(h)
+            logits = self.head(h)
             return vocab_parallel_cross_entropy(logits, targets, group=self.tp).mean()
 
     return Net, Block
 
 
-def _build(seed, sp, shard=False, reshard=False, **dims):
+def _build(seed, sp, shard=False, reshard=False, prefetch=True, units=False, **dims):
+    """The model; ``shard``: fully sharded, ``units``: each block its own unit, then the root."""
     import mindspore as ms
 
     from mindscience.distributed import fully_shard
@@ -104,7 +110,10 @@ def _build(seed, sp, shard=False, reshard=False, **dims):
     np.random.seed(seed)
     net = Net(sp, **dims)
     if shard:
-        fully_shard(net, reshard_after_forward=reshard)
+        if units:
+            for block in [net.block, *net.more]:
+                fully_shard(block, reshard_after_forward=reshard, prefetch=prefetch)
+        fully_shard(net, reshard_after_forward=reshard, prefetch=prefetch)
     return net
 
 
@@ -287,23 +296,6 @@ def pipeline(ctx, schedules=("1f1b", "gpipe"), modes=("pynative", "jit"), hidden
                 "passed": loss_error <= 1e-6 and worst < 1e-6 and worst_pad == 0.0,
             })
     return records
-
-
-@check("fsdp.compiled_reshard_refused")
-def compiled_reshard_refused(ctx):
-    """reshard_after_forward=True under ms.jit raises at trace time, on every rank alike."""
-    import mindspore as ms
-
-    _layout(tp=1)
-    net = _build(7, False, shard=True, reshard=True)
-    ids, tgt = (ms.Tensor(a) for a in _data(0))
-    try:
-        _value_and_grad("jit", net, net.trainable_params(), ids, tgt)
-        message = ""
-    except ValueError as err:
-        message = str(err)
-    return {"check": "fsdp.compiled_reshard_refused", "group": "dp", "message": message[:300],
-            "passed": "runs in PyNative only" in message}
 
 
 def _adamw_numpy(p, g, m, v, t, lr, b1, b2, eps, wd):

@@ -66,11 +66,19 @@ sequence-parallel and tied-embedding gradients.
 from .api import fully_shard, gather_in_calls, is_fully_sharded
 from .layout import (FsdpParamInfo, FullyShardError, full_param_numpy, shard_range, shard_rows,
                      shard_shape)
+from .rules import fsdp_runtime
+from .unit import FsdpUnit, gathered_bytes, peak_gathered_bytes, reset_gathered_bytes, units_of
 
 __all__ = [
     "FullyShardError",
     "FsdpParamInfo",
+    "FsdpUnit",
+    "fsdp_runtime",
     "fully_shard",
+    "gathered_bytes",
+    "peak_gathered_bytes",
+    "reset_gathered_bytes",
+    "units_of",
     "gather_in_calls",
     "is_fully_sharded",
     "shard_rows",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gather import gather_class, install, recompute, runtime, sharded_class
+from .gather import gather_class, install, runtime, sharded_class
 from .layout import FsdpParamInfo, FullyShardError, shard_range, shard_rows
+from .rules import unit_reshards
+from .unit import FsdpUnit
 
 __all__ = ["fully_shard", "is_fully_sharded", "gather_in_calls"]
 
@@ -117,29 +119,40 @@ def _plan(cell):
     return todo, problems
 
 
-def fully_shard(cell, group=None, *, reshard_after_forward: bool = False):
-    """Shard every parameter of ``cell`` along dim 0 over ``group`` (ZeRO-3 / FSDP).
+def fully_shard(cell, group=None, *, reshard_after_forward: bool = True, prefetch: bool = True):
+    """Shard every parameter of ``cell`` along dim 0 over ``group`` (ZeRO-3 / FSDP2).
 
-    Call it on the blocks first and then on the whole model, or once on the whole model;
-    each call shards the parameters not yet sharded (a sub-cell already passed to
-    ``fully_shard`` is skipped). Build the optimizer afterwards: it then steps the shards.
+    Each call makes one unit of the parameters it shards: call it on the blocks first
+    (each transformer layer) and then on the whole model (the root unit: what is left,
+    such as the embeddings and the head), or once on the whole model (one unit). A
+    sub-cell already passed to ``fully_shard`` is skipped. Build the optimizer afterwards:
+    it then steps the shards.
+
+    In PyNative a unit is gathered with one bucketed all-gather (per dtype of its
+    parameters) at its first parameter read and reduce-scattered once as its backward
+    ends. Compiled code (ms.jit, GRAPH_MODE) gathers each parameter in the graph and runs
+    as ``reshard_after_forward=False, prefetch=False`` (:func:`.rules.fsdp_runtime` says so).
 
     Args:
         cell: The ``nn.Cell`` (a model, a pipeline stage, a layer). Sharded in place.
         group: The group to shard over; default the manager's dp-cp group. A
             ParallelGroup of this rank or a backend group name.
-        reshard_after_forward: Recompute every cell that owns sharded parameters, so that
-            the backward gathers its weights again instead of keeping the forward's
-            gathered weights alive until the backward (see the module docstring).
+        reshard_after_forward: Free the unit's gathered weights when its forward ends
+            and gather them again for its backward (2 gathers per micro-batch; PyNative).
+            Ignored by a unit that contains other units (the root), whose backward
+            follows its forward at once. False keeps them from the forward to the backward.
+        prefetch: When this unit gathers, launch the next unit's gather asynchronously
+            (the order of the last forward; in the backward the unit before it), so that
+            it overlaps this unit's compute (PyNative).
 
     Returns:
         ``cell``.
 
     Raises:
         FullyShardError: a parameter already sharded, a DistributedOptimizer already built
-            over one (``param.msdist_optimizer_built``), a group this rank is not in, or an
-            unsupported cell (non-trainable parameters, its own ``bprop``). Raised before
-            any change and without any communication.
+            over one (``param.msdist_optimizer_built``), a group this rank is not in, an
+            unsupported cell (non-trainable parameters, its own ``bprop``) or a flag that is
+            not a bool. Raised before any change and without any communication.
 
     Example, 4 ranks as dp4, ``model = nn.Dense(64, 10)``: after ``fully_shard(model)``
     each rank holds ``model.weight`` as a ``[3, 64]`` shard (rank 3: row 9 + two zero
@@ -158,28 +171,34 @@ def fully_shard(cell, group=None, *, reshard_after_forward: bool = False):
             f"fully_shard: this {type(cell).__name__} was already passed to fully_shard; "
             "call it once per cell"
         )
-    if not isinstance(reshard_after_forward, bool):
-        raise FullyShardError(
-            f"fully_shard: reshard_after_forward={reshard_after_forward!r} must be True or False"
-        )
+    for name, value in (("reshard_after_forward", reshard_after_forward), ("prefetch", prefetch)):
+        if not isinstance(value, bool):
+            raise FullyShardError(f"fully_shard: {name}={value!r} must be True or False")
     g = _resolve_group(group)
     todo, problems = _plan(cell)
     if problems:
         raise FullyShardError("fully_shard: nothing was sharded: " + "; ".join(problems))
 
+    has_sub_units = any(sub is not cell and getattr(sub, "_fsdp_root", False)
+                        for _, sub in cell.cells_and_names())
+    reshard = unit_reshards(reshard_after_forward, has_sub_units)
     # Replace every Parameter once (a tied parameter may be owned by several cells).
-    new_of = {}
+    new_of, order = {}, []
     for _, _, param in todo:
         if id(param) not in new_of:
-            new_of[id(param)] = _shard_param(param, g, reshard_after_forward, ms, mstype, C)
+            new_of[id(param)] = _shard_param(param, g, reshard, ms, mstype, C)
+            order.append(new_of[id(param)])
     owners = {}
     for sub, attr, param in todo:
         owners.setdefault(id(sub), (sub, []))[1].append((attr, new_of[id(param)]))
     for sub, attrs in owners.values():
         install(sub, attrs, g)
-        if reshard_after_forward and g.size > 1:
-            recompute(sub)
     gather_in_calls(cell)
+    if g.size > 1 and order:
+        unit = FsdpUnit(cell, order, g, reshard, prefetch)
+        for p in order:
+            object.__setattr__(p, "_fsdp_unit", unit)
+        object.__setattr__(cell, "_fsdp_unit", unit)
     object.__setattr__(cell, "_fsdp_root", True)
     return cell
 

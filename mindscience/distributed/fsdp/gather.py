@@ -2,15 +2,18 @@
 
 Each cell that owns sharded parameters becomes a subclass of its own class whose
 parameter attributes are properties (:func:`sharded_class`). Compiled code always
-gathers; eager code gathers while a fully sharded cell is being called (its
-``__call__`` counts the depth) and otherwise returns the shard Parameter, so that user
-code outside a forward (``repr``, optimizers, checkpoints) starts no collective.
+gathers, one all-gather Cell per parameter read; eager code reads the parameter's unit
+(:mod:`.unit`: one bucketed gather per unit) while a fully sharded cell is being called
+(its ``__call__`` counts the depth) and otherwise returns the shard Parameter, so that
+user code outside a forward (``repr``, optimizers, checkpoints) starts no collective.
 MindSpore is imported on first use only.
 """
 
 from __future__ import annotations
 
 from .layout import FsdpParamInfo, shard_shape
+from .unit import _State as unit_state
+from .unit import call_unit, enter, leave
 
 SHARD_PREFIX = "_fsdp_shard_"
 EAGER_PREFIX = "_fsdp_eager_"
@@ -56,7 +59,6 @@ def gather_class():
             self.dtype = dtype
             self.low = dtype == mstype.bfloat16
             self.slice = ops.StridedSlice()
-            self.reshard = bool(info.reshard_after_forward)
 
         def _first_rows(self, x):
             if self.pad == 0:
@@ -91,38 +93,14 @@ def gather_class():
     return _GATHER_CLASS
 
 
-class _EagerState:
-    """How many fully sharded cells are being called eagerly, and what they gathered."""
-
-    depth = 0
-    cache: dict = {}
-
-
-def _enter():
-    _EagerState.depth += 1
-
-
-def _leave():
-    _EagerState.depth -= 1
-    if _EagerState.depth == 0:
-        _EagerState.cache = {}
-
-
 def _eager_value(cell, attr):
     shard = cell.__dict__[SHARD_PREFIX + attr]
-    if _EagerState.depth == 0:
+    if unit_state.depth == 0:
         return shard
-    gather = cell.__dict__[EAGER_PREFIX + attr]
-    if shard.fsdp.reshard_after_forward:
-        # Not shared through the cache: under recompute this forward runs without
-        # autodiff, and another reader must not get that untracked tensor.
-        return gather(shard)
-    key = id(shard)
-    full = _EagerState.cache.get(key)
-    if full is None:
-        full = gather(shard)
-        _EagerState.cache[key] = full
-    return full
+    unit = getattr(shard, "_fsdp_unit", None)
+    if unit is None:  # a size-1 group: the shard is the whole parameter
+        return shard
+    return unit.read(shard)
 
 
 def _make_property(attr):
@@ -133,32 +111,13 @@ def _make_property(attr):
 
     def get(self):
         if compiling():
-            gather = getattr(self, graph_key)
-            if gather.reshard:
-                raise ValueError(
-                    "fully_shard(reshard_after_forward=True) runs in PyNative only: in ms.jit "
-                    "and GRAPH_MODE the recomputed all-gathers of a group are not ordered "
-                    "alike on every rank. Shard with reshard_after_forward=False for compiled code."
-                )
-            return gather(getattr(self, shard_key))
+            # Compiled: one gather per parameter read, kept to the backward (reshard and
+            # prefetch run in PyNative only, see rules.fsdp_runtime).
+            return getattr(self, graph_key)(getattr(self, shard_key))
         return _eager_value(self, attr)
 
     get.__name__ = attr
     return property(get, doc=f"The full {attr!r} while the cell runs; its shard otherwise.")
-
-
-class _Active:
-    """Calls ``fn`` as if a fully sharded cell were being called (eager reads gather)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        _enter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            _leave()
 
 
 _CLASSES: dict = {}
@@ -173,11 +132,14 @@ def sharded_class(cls, attrs: tuple):
     base_call = cls.__call__
 
     def __call__(self, *args, **kwargs):
-        _enter()
+        enter()
         try:
-            return base_call(self, *args, **kwargs)
+            unit = self.__dict__.get("_fsdp_unit")
+            if unit is None:
+                return base_call(self, *args, **kwargs)
+            return call_unit(unit, base_call, (self,) + args, kwargs)
         finally:
-            _leave()
+            leave()
 
     namespace = {"__call__": __call__, "_fsdp_attrs": attrs, "__module__": cls.__module__,
                  "__doc__": cls.__doc__}
@@ -202,20 +164,3 @@ def install(sub, attrs, g):
         object.__setattr__(sub, SHARD_PREFIX + attr, new)
         object.__setattr__(sub, EAGER_PREFIX + attr, eager)
         object.__setattr__(sub, GRAPH_PREFIX + attr, graph)
-
-
-def recompute(sub):
-    """PyNative recompute of ``sub`` (what ``Cell.recompute()`` sets up for PyNative).
-
-    Not ``Cell.recompute()`` itself: its graph flag also recomputes the cell under ms.jit
-    and GRAPH_MODE, where the re-run all-gathers and the reduce-scatters of a group were
-    scheduled in a different order on different ranks (measured: wrong gradients at dp4,
-    every parameter). Compiled code refuses reshard_after_forward instead (see the getter).
-    """
-    from mindspore.common._register_for_recompute import recompute_registry
-
-    rc = recompute_registry.get()(sub.construct, True, False, True, None)
-    # The recompute re-runs construct from the backward, outside any __call__: make that
-    # run read the gathered weights too.
-    rc.wrap_cell.function = _Active(rc.wrap_cell.function)
-    sub._recompute_cell = rc

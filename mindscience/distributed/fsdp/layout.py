@@ -28,7 +28,8 @@ class FsdpParamInfo:
         rows: The unpadded dim-0 length r (1 for a 0-d parameter).
         shard_rows: Rows per rank c = ceil(r / d).
         pad: d * c - r, the zero rows of padding (all on the last ranks).
-        reshard_after_forward: The backward gathers the parameter again.
+        reshard_after_forward: Its unit frees the gathered parameter after the forward and
+            gathers it again for the backward (PyNative; see rules.fsdp_runtime).
     """
 
     group: object
