@@ -2,16 +2,17 @@
 
 The preset's step model (docs/COST_MODEL.md, "Ranks sharing cores"): every term of a
 rank is ``ranks / cores`` times longer when the ranks of a node outnumber its cores, each
-operator launch costs ``op_overhead_us`` and each collective call ``intra_node_latency_us``
-on a core of its own. This script searches those two constants (a log grid, then a finer
-one around the best) for the smallest median |error| over every measured step it is given:
+operator launch costs ``op_overhead_us``, each collective call ``intra_node_latency_us`` and
+each byte ``1 / intra_node_gbps`` on a core of its own. This script searches those three
+constants (a log grid of 16 points a decade; the compiled step is linear in them) for the
+smallest median |log(predicted / measured)| over every measured step it is given:
 
 * ``--train FILE``: ``msdist train ... -o FILE`` reports (layout, model, training, mode and the
   measured step are in the report);
 * ``--table FILE``: ``python bench/validate_train.py --output FILE`` results (tiny-gpt on
   every layout of 8 ranks).
 
-The other preset values stay (peak, bandwidths); ``--cores`` is the machine's (2 here).
+The other preset values stay (peak, memory); ``--cores`` is the machine's (2 here).
 Prints the best pair, the median |error|, Spearman's rank correlation and each step.
 
 Run:  python bench/fit_cpu_preset.py --train dp4.json --train tp2pp2.json --table vt.json [--cores 2]
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from dataclasses import fields, replace
@@ -77,39 +77,59 @@ def table_cases(path: str) -> list:
     return out
 
 
-def price(cases: list, cores: int, op_us: float, latency_us: float) -> list:
-    cluster = ClusterSpec(device="cpu", cores_per_node=cores, op_overhead_us=op_us, intra_node_latency_us=latency_us)
+def price(cases: list, cores: int, op_us: float, latency_us: float, gbps: float) -> list:
+    cluster = ClusterSpec(device="cpu", cores_per_node=cores, op_overhead_us=op_us, intra_node_latency_us=latency_us,
+                          intra_node_gbps=gbps)
     return [estimate(lay, replace(w, cluster=cluster), mode=mode)["time"]["step_time_s"]
             for _, lay, w, mode, _ in cases]
 
 
-def score(cases: list, predicted: list) -> float:
-    return statistics.median(abs(math.log(p / c[4])) for p, c in zip(predicted, cases))
+def linear_terms(cases: list, cores: int):
+    """Per case ``(base, per op_us, per latency_us, per 1/gbps)``: in the compiled mode's step model (no
+    overlap to hide behind) the step is linear in the three constants, so four pricings give it."""
+    import numpy as np
+
+    tiny = 1e-6
+    base = np.array(price(cases, cores, 0.0, tiny, 1 / tiny))
+    per_op = np.array(price(cases, cores, 1.0, tiny, 1 / tiny)) - base
+    per_latency = np.array(price(cases, cores, 0.0, 1.0 + tiny, 1 / tiny)) - base
+    per_inverse_gbps = np.array(price(cases, cores, 0.0, tiny, 1.0)) - base
+    return base, per_op, per_latency, per_inverse_gbps
 
 
 def main(argv=None) -> int:
+    import numpy as np
+
     from validate_cpu import spearman
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", action="append", default=[], help="an msdist train -o report (repeat)")
     parser.add_argument("--table", action="append", default=[], help="a validate_train.py --output file (repeat)")
     parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--op-us", type=float, help="fix op_overhead_us instead of fitting it")
+    parser.add_argument("--latency-us", type=float, help="fix intra_node_latency_us instead of fitting it")
+    parser.add_argument("--gbps", type=float, help="fix intra_node_gbps instead of fitting it")
     args = parser.parse_args(argv)
     cases = [c for f in args.train for c in train_cases(f)] + [c for f in args.table for c in table_cases(f)]
     if not cases:
         parser.error("give at least one --train or --table file")
-    grid = [10 ** (k / 8) for k in range(8, 33)]  # 10 us .. 10 ms
-    best = min(((score(cases, price(cases, args.cores, o, a)), o, a) for o in grid for a in grid))
-    _, o0, a0 = best
-    fine = [f for f in (0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2)]
-    best = min(((score(cases, price(cases, args.cores, o0 * f, a0 * g)), o0 * f, a0 * g) for f in fine for g in fine))
-    _, op_us, latency_us = best
-    op_us, latency_us = float(f"{op_us:.2g}"), float(f"{latency_us:.2g}")  # the preset's figures: 2 digits
-    predicted = price(cases, args.cores, op_us, latency_us)
+    measured = np.array([c[4] for c in cases])
+    base, per_op, per_latency, per_inverse_gbps = linear_terms(cases, args.cores)
+    # A log grid: 1 us .. 100 ms per operator and per call, 0.001 .. 10 GB/s.
+    ops = np.array([args.op_us]) if args.op_us else 10 ** np.arange(0, 5.01, 1 / 16)
+    calls = np.array([args.latency_us]) if args.latency_us else 10 ** np.arange(0, 5.01, 1 / 16)
+    gbps = np.array([args.gbps]) if args.gbps else 10 ** np.arange(-3, 1.01, 1 / 16)
+    o, a, g = np.meshgrid(ops, calls, gbps, indexing="ij")
+    pred = (base[None, None, None, :] + o[..., None] * per_op + a[..., None] * per_latency
+            + (1 / g)[..., None] * per_inverse_gbps)
+    score = np.median(np.abs(np.log(pred / measured)), axis=-1)
+    i = np.unravel_index(np.argmin(score), score.shape)
+    op_us, latency_us, bw = (float(f"{x:.2g}") for x in (o[i], a[i], g[i]))  # the preset's figures: 2 digits
+    predicted = price(cases, args.cores, op_us, latency_us, bw)
     errors = [p / c[4] - 1 for p, c in zip(predicted, cases)]
     print(f"command: python bench/fit_cpu_preset.py {' '.join(argv or sys.argv[1:])}")
-    print(f"best: op_overhead_us {op_us:g}, intra_node_latency_us {latency_us:g} ({args.cores} cores); median "
-          f"|error| {statistics.median(abs(e) for e in errors):.0%}, Spearman "
+    print(f"best: op_overhead_us {op_us:g}, intra_node_latency_us {latency_us:g}, intra_node_gbps {bw:g} "
+          f"({args.cores} cores); median |error| {statistics.median(abs(e) for e in errors):.0%}, Spearman "
           f"{spearman(predicted, [c[4] for c in cases]):.2f} over {len(cases)} steps")
     for (label, *_rest, got), p, e in zip(cases, predicted, errors):
         print(f"  {label}: predicted {p * 1e3:.0f} ms, measured {got * 1e3:.0f} ms ({e:+.0%})")
