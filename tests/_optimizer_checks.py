@@ -288,9 +288,10 @@ def _main_vs_params(opt, params) -> float:
             start, stop = 0, sh.rows
         else:
             start, stop = shard_range(sh.rows, opt.d, opt.group.rank)
-        if stop == start or not len(opt.mains):
+        slot = opt.main_slot[i]  # float32 parameters are their own main weights: none
+        if stop == start or slot < 0:
             continue
-        main = opt.mains[i].asnumpy().reshape(-1, sh.rest)[: stop - start]
+        main = opt.mains[slot].asnumpy().reshape(-1, sh.rest)[: stop - start]
         want = ms.Tensor(main, p.dtype).float().asnumpy()
         have = p.float().asnumpy().reshape(-1, sh.rest)
         # Stage 3: the parameter is the shard itself (its first rows are the real ones).
@@ -306,11 +307,12 @@ def _padding_abs(opt) -> float:
     worst = 0.0
     if opt.stage == 0:
         return worst
-    states = [list(opt.mains)] + [list(g) for g in opt.moments]
+    mains = [opt.mains[s] if s >= 0 else None for s in opt.main_slot]
+    states = [mains] + [list(g) for g in opt.moments]
     for i, sh in enumerate(opt.shards):
         start, stop = shard_range(sh.rows, opt.d, opt.group.rank)
         for group in states:
-            if group:
+            if group and group[i] is not None:
                 a = group[i].asnumpy()
                 if stop - start < sh.shard_rows:
                     worst = max(worst, float(np.max(np.abs(a[stop - start:]))))
@@ -401,6 +403,7 @@ def train(ctx: CheckContext, tp=1, pp=1, stage=1, mode="pynative", dtype="float3
         "shapes": [list(p.fsdp.full_shape) if stage == 3 else list(p.shape) for p in run.params],
         "param_dtypes": [str(p.dtype) for p in run.params],
         "main_dtypes": sorted({str(p.dtype) for p in opt.mains}),
+        "mains": len(opt.mains),
         "buckets": len(opt.buckets), "padding_max_abs": _padding_abs(opt),
         "main_vs_params": _main_vs_params(opt, run.params),
         "trained": bool(losses[-1] < losses[0]),
@@ -521,3 +524,95 @@ def errors(ctx: CheckContext, tp=2) -> list:
                     "raised": None, "message": "", "missing": [], "world_sum": total,
                     "passed": bool(total == ctx.world_size), "max_error": 0.0})
     return records
+
+
+def _gpt_overlap(stage: int, bucket_size_mb, steps: int) -> dict:
+    """tiny GPTModel (pp == 1) through ``forward_backward(mode="pynative", optimizer=opt)``,
+    overlapped and not: the weights after ``steps`` steps of 2 micro-batches each."""
+    from mindscience.distributed.models import GPTModel, TransformerConfig
+    from mindscience.distributed.optimizer import DistributedOptimizer
+
+    cfg = TransformerConfig.from_model_spec("tiny-gpt", precision="fp32", num_layers=1)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, cfg.vocab_size, (4, cfg.seq_length)).astype(np.int32)
+    out = {}
+    for flag in (False, True):
+        net = GPTModel(cfg, seed=3)
+        opt = DistributedOptimizer(net.trainable_params(), lr=LR, zero_stage=stage,
+                                   bucket_size_mb=bucket_size_mb, overlap_grad_reduce=flag)
+        for _ in range(steps):
+            _, grads = net.forward_backward(ids, ids, 2, mode="pynative", optimizer=opt)
+            opt(grads)
+        out[flag] = ([p.asnumpy() for p in net.trainable_params()], len(opt.overlap_timeline()),
+                     len(opt.buckets))
+    return out
+
+
+@check("optimizer.overlap")
+def overlap(ctx: CheckContext, tp=1, pp=1, stages=(0, 1, 2), steps=2, bucket_size_mb=0,
+            gpt=False) -> dict:
+    """``overlap_grad_reduce=True`` against the same step without it, fp32, 2 micro-batches:
+    the weights after ``steps`` steps must be equal bit for bit at every stage in
+    ``stages``. pp == 1: ``opt.overlap_backward`` around the last micro-batch's
+    ``value_and_grad`` (the earlier sum passed as ``accumulated``); pp > 1: the 1F1B
+    pipeline with ``on_chunk_done`` -> ``opt.grads_ready`` (what GPTModel does);
+    ``gpt``: also a 1-layer tiny GPTModel through ``forward_backward(optimizer=opt)``.
+    ``bucket_size_mb=0``: one bucket per parameter, so that some launch before the end."""
+    import mindspore as ms
+
+    from mindscience.distributed import manager
+    from mindscience.distributed.optimizer import DistributedOptimizer
+    from mindscience.distributed.pipeline import forward_backward
+
+    started = time.perf_counter()
+    lay = manager.get_layout() if manager.is_initialized() else None
+    if lay is None or (lay.tp, lay.cp, lay.pp) != (tp, 1, pp):
+        lay = reinit(manager, {"tp": tp, "pp": pp})
+    rows = []
+    for stage in stages:
+        weights, launched, modes = {}, {}, None
+        for flag in (False, True):
+            run = _Run(manager)
+            opt = DistributedOptimizer(run.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                       zero_stage=stage, bucket_size_mb=bucket_size_mb,
+                                       overlap_grad_reduce=flag)
+            modes = opt.grad_reduce_overlap("pynative", pp)
+            vg = ms.value_and_grad(run.net, None, run.params)
+            count = 0
+            for ids, tgt in _batches(steps):
+                if pp > 1:
+                    m = run.microbatches
+                    xs = [ms.Tensor(a) for a in np.split(run.local(ids), m, axis=1)]
+                    ys = [ms.Tensor(a) for a in np.split(run.local(tgt), m, axis=1)]
+                    opt.start_step()
+
+                    def done(c, params, grads, opt=opt):
+                        opt.grads_ready({q.name: g for q, g in zip(params, grads)})
+                    _, grads = forward_backward(run.stage, xs, ys, run.loss_fn, schedule="1f1b",
+                                                mode="pynative", on_chunk_done=done)
+                else:
+                    halves = [np.split(run.local(a), 2, axis=1) for a in (ids, tgt)]
+                    _, acc = vg(ms.Tensor(halves[0][0]), ms.Tensor(halves[1][0]))
+                    with opt.overlap_backward({q.name: a for q, a in zip(run.params, acc)}):
+                        _, last = vg(ms.Tensor(halves[0][1]), ms.Tensor(halves[1][1]))
+                    grads = tuple(a + g for a, g in zip(acc, last))
+                opt(grads)
+                count += len(opt.overlap_timeline())
+            weights[flag] = [p.asnumpy() for p in run.params]
+            launched[flag] = count
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights[False], weights[True]))
+        same = all(np.array_equal(a, b) for a, b in zip(weights[False], weights[True]))
+        rows.append({"stage": stage, "bitwise_equal": bool(same), "max_abs_diff": diff,
+                     "launched": launched[True], "launched_without": launched[False],
+                     "overlapped": modes[0], "buckets": len(opt.buckets)})
+    rec = {"check": "optimizer.overlap", "group": layout_label(manager.get_layout()),
+           "tp": tp, "pp": pp, "rows": rows}
+    if gpt:
+        got = _gpt_overlap(1, bucket_size_mb, 1)
+        rec["gpt_bitwise_equal"] = all(np.array_equal(a, b) for a, b in zip(got[False][0], got[True][0]))
+        rec["gpt_launched"] = got[True][1]
+        rec["gpt_buckets"] = got[True][2]
+    rec["seconds"] = round(time.perf_counter() - started, 2)
+    rec["passed"] = bool(all(r["bitwise_equal"] and r["launched"] > 0 for r in rows)
+                         and rec.get("gpt_bitwise_equal", True))
+    return rec

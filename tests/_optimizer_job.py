@@ -41,11 +41,15 @@ SPEC = {
         _train(_TP2, stage=2, clip=CLIP, mode="jit"),
         _train(_TP2, stage=1, clip=CLIP, mode="graph"),
         {"name": "optimizer.errors", "params": _TP2},
+        # overlap_grad_reduce vs not, bit for bit (one bucket per parameter)
+        {"name": "optimizer.overlap", "params": {**_TP2, "stages": [0, 1, 2]}},
         # dp4, unclipped: padding (rows 18 and 50 over 4 ranks), small buckets, stage 3
         _train(_DP4, stage=2, bucket_size_mb=0.002),
         _train(_DP4, stage=3),
+        {"name": "optimizer.overlap", "params": {**_DP4, "stages": [0, 1, 2], "gpt": True}},
         # pp2 x dp2, 1F1B, tied embedding and LM head, clipped
         _train(_PP2, stage=2, clip=CLIP),
+        {"name": "optimizer.overlap", "params": {**_PP2, "stages": [0, 2]}},
     ],
 }
 

@@ -341,6 +341,7 @@ def test_4ranks_state_is_one_dp_share_plus_the_padding(job):
         total = sum(a * b for a, b in zip(rows, rest))
         padding = sum((d * shard_rows(a, d) - a) * b for a, b in zip(rows, rest))
         states = ADAM_STATES - 1  # fp32: the parameter is its own main weight at every stage
+        assert r["mains"] == 0
         if stage == 0:
             assert r["state_elements"] == states * total
         else:
@@ -356,8 +357,8 @@ def test_4ranks_state_is_one_dp_share_plus_the_padding(job):
         assert c2["total"] <= held <= c2["total"] * (1 + padding / total) + 1e-12
     dp4 = _train_records(job, tp=1, pp=1)
     assert all(r["d"] == 4 for r in dp4)
-    # The dp4 model pads (rows 18 and 50 over 4 ranks): 3 x (2 x 18 + 2 x 40 + ...) extra.
-    assert all(r["state_elements"] * 4 > 3 * sum(math.prod(s) for s in r["shapes"]) for r in dp4
+    # The dp4 model pads (rows 18 and 50 over 4 ranks): 2 moments x (2 x 18 + 2 x 40 + ...) extra.
+    assert all(r["state_elements"] * 4 > 2 * sum(math.prod(s) for s in r["shapes"]) for r in dp4
                if r["stage"] > 0)
 
 
@@ -386,9 +387,33 @@ def test_4ranks_bf16_weights_train_on_fp32_main_copies(job):
     for r in records:
         assert r["passed"], r
         assert r["main_dtypes"] == ["Float32"] and "BFloat16" in r["param_dtypes"]
+        # issue 37 part 4: an fp32 copy for each bf16 parameter, none for the fp32 embedding
+        assert r["mains"] == r["param_dtypes"].count("BFloat16") == len(r["param_dtypes"]) - 1
         assert r["buckets"] == 2  # fp32 embedding + bf16 rest
         assert r["loss_rel_error"] <= 3e-3, (r["losses"], r["ref_losses"])
         assert r["main_vs_params"] == 0.0  # the gathered bf16 weight is the main copy rounded
+
+
+@pytest.mark.multiprocess
+def test_4ranks_overlapped_grad_reduce_equals_the_plain_step_bit_for_bit(job):
+    """overlap_grad_reduce=True (buckets launched from gradient hooks during the last
+    micro-batch's backward, or after a pipeline chunk's last backward) gives the weights of
+    the plain step bit for bit at stages 0-2: tp2 x dp2, dp4 (also GPTModel.forward_backward
+    with optimizer=), pp2 x dp2 (1F1B)."""
+    records = job_mod.records_of(job, "optimizer.overlap")
+    assert {(r["tp"], r["pp"]) for r in records} == {(2, 1), (1, 1), (1, 2)}
+    assert len(records) == 3 * job_mod.WORLD_SIZE
+    for r in records:
+        for row in r["rows"]:
+            assert row["bitwise_equal"] and row["max_abs_diff"] == 0.0, (r["group"], row)
+            assert row["overlapped"] is True and row["launched"] > 0, (r["group"], row)
+            assert row["launched_without"] == 0
+        assert r["passed"], r
+        if r["tp"] == 1 and r["pp"] == 1:
+            assert r["gpt_bitwise_equal"] and 0 < r["gpt_launched"] <= r["gpt_buckets"], r
+    # tp2: the sequence-parallel layernorms are summed over tp first, in the step.
+    tp2 = [row for r in records if r["tp"] == 2 for row in r["rows"]]
+    assert all(row["launched"] < 2 * row["buckets"] for row in tp2)
 
 
 @pytest.mark.multiprocess

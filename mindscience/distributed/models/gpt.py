@@ -363,7 +363,7 @@ class GPTModel(nn.Cell):
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, input_ids, labels, num_microbatches: int = 1, schedule=None,
-                         mode: str = "jit"):
+                         mode: str = "jit", optimizer=None):
         """One step's forward and backward over ``num_microbatches`` micro-batches.
 
         Args:
@@ -373,6 +373,12 @@ class GPTModel(nn.Cell):
             schedule: pp > 1: ``"1f1b"`` (default), ``"gpipe"``, or ``"interleaved"``
                 (the default and the only choice when virtual_pipeline_stages > 1).
             mode: ``"jit"`` (compiled forward and backward) or ``"pynative"``.
+            optimizer: The ``DistributedOptimizer`` the gradients go to next. With its
+                ``overlap_grad_reduce=True`` each bucket's dp-cp reduction is launched
+                during the backward (PyNative: from gradient hooks during the last
+                micro-batch's; pp > 1: after each chunk's last backward) and the
+                optimizer call waits on it; see ``optimizer.grad_reduce_overlap(mode,
+                pp)``. The returned gradients are the same either way.
 
         Returns:
             ``(loss, grads)``: the mean loss over the tokens of ``input_ids`` (a float32
@@ -393,6 +399,11 @@ class GPTModel(nn.Cell):
         ts = [ms.Tensor(a) for a in np.split(tgt, m, axis=1)]
         params = self.trainable_params()
         self._last_microbatches = m
+        overlap = None
+        if optimizer is not None and getattr(optimizer, "overlap_grad_reduce", False) \
+                and optimizer.grad_reduce_overlap(mode, self.pp.size)[0]:
+            overlap = optimizer
+            overlap.start_step()
         if any(getattr(p, "fsdp", None) is not None for p in params):
             from ..fsdp import gather_in_calls
 
@@ -404,7 +415,7 @@ class GPTModel(nn.Cell):
                 gather_in_calls(chunk)
         if self.pp.size == 1:
             self._reset_moe(m)
-            loss, grads = self._accumulate(xs, ts, mode)
+            loss, grads = self._accumulate(xs, ts, mode, overlap)
         else:
             from ..pipeline import forward_backward
             from ..pipeline.recompute import model_request
@@ -415,9 +426,14 @@ class GPTModel(nn.Cell):
             stage = self.chunks if sched == "interleaved" else self.chunks[0]
             # The stages keep their forwards until their backwards; the cells marked by
             # config.recompute recompute inside them (pipeline.recompute.model_request).
+            done = None
+            if overlap is not None:
+                def done(c, chunk_params, chunk_grads):
+                    overlap.grads_ready({q.name: g for q, g in zip(chunk_params, chunk_grads)})
             loss, grads = forward_backward(stage, xs, ts, self.loss_fn, schedule=sched, mode=mode,
                                            group=self.pp,
-                                           recompute=model_request(self.config.recompute))
+                                           recompute=model_request(self.config.recompute),
+                                           on_chunk_done=done)
             order = {id(p): i for i, p in enumerate(
                 q for chunk in self.chunks for q in chunk.trainable_params())}
             grads = tuple(grads[order[id(p)]] for p in params)
@@ -513,15 +529,22 @@ class GPTModel(nn.Cell):
                     fns.backward(x, ops.zeros(y.shape, y.dtype), fns.zeros())
         self._compiled_for.add(key)
 
-    def _accumulate(self, xs, ts, mode):
+    def _accumulate(self, xs, ts, mode, optimizer=None):
         from ..pipeline.stage_fns import stage_fns
 
         chunk = self.chunks[0]
         fns = stage_fns(chunk, self.loss_fn, mode, True, True)
         acc, loss = fns.zeros(), ops.zeros((), ms.float32)
         scale = ms.Tensor(1.0 / len(xs), ms.float32)
-        for x, t in zip(xs, ts):
-            _, acc, loss = fns.loss(x, t, scale, acc, loss)
+        for k, (x, t) in enumerate(zip(xs, ts)):
+            if optimizer is not None and k == len(xs) - 1:
+                # The last micro-batch's backward launches the reduction (gradient hooks
+                # add this backward's gradients to the sum so far, as fns.loss does).
+                earlier = {q.name: a for q, a in zip(fns.params, acc)}
+                with optimizer.overlap_backward(earlier):
+                    _, acc, loss = fns.loss(x, t, scale, acc, loss)
+            else:
+                _, acc, loss = fns.loss(x, t, scale, acc, loss)
         return loss, tuple(acc)
 
     def _check_step(self, input_ids, labels, m, schedule, mode):

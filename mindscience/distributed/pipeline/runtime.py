@@ -197,7 +197,7 @@ def _links(g, p, i, ring):
 
 def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
                      activation_shape=None, mode: str = "pynative", group=None,
-                     recompute: str = "full"):
+                     recompute: str = "full", on_chunk_done=None):
     """One training step's forward and backward over ``len(inputs)`` micro-batches.
 
     Args:
@@ -225,6 +225,11 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
             rank (with tp, cp, ep or fully_shard ``mode="jit"`` runs ``"full"``, a ``UserWarning`` once
             per configuration says so); see :func:`~.recompute.runtime_recompute` and
             :func:`last_recompute`.
+        on_chunk_done: Called as ``on_chunk_done(c, params, grads)`` right after chunk
+            ``c``'s last backward, when its gradients (``grads``, summed over the
+            micro-batches, one per ``params``) are final; e.g. to launch their dp-cp
+            reduction while the rest of the schedule runs
+            (``DistributedOptimizer.grads_ready``). None: nothing is called.
 
     Returns:
         ``(loss, grads)``: ``loss`` the mean over micro-batches (a float32 scalar tensor,
@@ -280,6 +285,7 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
                 any_order_recompute(cell)
     links = _links(g, p, i, ring=v > 1) if p > 1 else {}
     run = _Run(sched, g, p, i, v, fns, inputs, targets, links, learned, first_call, shape, keep)
+    run.on_chunk_done = on_chunk_done
     run.execute()
     _LAST["peak"] = run.peak
     if first_call:
@@ -313,6 +319,8 @@ class _Run:
         self.scale = ms.Tensor(1.0 / len(inputs), ms.float32)
         self.in_flight = [0] * v
         self.peak = 0
+        self.backwards = [0] * v  # backwards done per chunk
+        self.on_chunk_done = None
 
     def execute(self):
         timing = TIMING.get("intervals")
@@ -370,6 +378,9 @@ class _Run:
             dy = self.got.pop(("B", j, c))
             dx, self.grads[c] = f.backward(x, dy, self.grads[c])
         self.in_flight[c] -= 1
+        self.backwards[c] += 1
+        if self.on_chunk_done is not None and self.backwards[c] == len(self.inputs):
+            self.on_chunk_done(c, self.fns[c].params, self.grads[c])
         if gidx > 0:
             self._deliver("B", j, gidx, dx)
 

@@ -125,8 +125,13 @@ class Trainer:
             fully_shard(self.model, manager.get_data_context_parallel_group() if parallel
                         else ParallelGroup.trivial("dp-cp"))
         self.params = self.model.trainable_params()
-        self.optimizer = DistributedOptimizer(self.params, optimizer="adamw", lr=opts.lr,
-                                              zero_stage=opts.zero_stage)
+        # The training spec's overlap options (issue 37): the same results bit for bit,
+        # the dp-cp reduction launched during the backward where the mode allows
+        # (optimizer.overlap_rules); read with defaults so an older spec works.
+        self.optimizer = DistributedOptimizer(
+            self.params, optimizer="adamw", lr=opts.lr, zero_stage=opts.zero_stage,
+            overlap_grad_reduce=bool(getattr(self.training, "overlap_grad_reduce", False)),
+            overlap_param_gather=bool(getattr(self.training, "overlap_param_gather", False)))
         self.first_step = 0  # steps already trained (the resumed step counter)
         self.first_sequence = 0  # data position of step 0 in the token file
         self.saved: list = []
@@ -166,7 +171,7 @@ class Trainer:
         inputs, labels = self.batch(step)
         started = time.perf_counter()
         loss, grads = self.model.forward_backward(inputs, labels, num_microbatches=self.num_microbatches,
-                                                  mode=self.opts.mode)
+                                                  mode=self.opts.mode, optimizer=self.optimizer)
         self.optimizer(grads)
         value = self.global_loss(loss)
         moe = self.moe_step()
