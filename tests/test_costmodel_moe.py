@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
+from mindscience.distributed.costmodel.runtime import main_weight_bytes
 from mindscience.distributed.costmodel import ModelConstraintError, ModelError, estimate, load_workload
 from mindscience.distributed.costmodel.comm import send_factor, traffic
 from mindscience.distributed.costmodel.constraints import violations
@@ -202,12 +203,14 @@ def test_memory_per_rank_experts_sharded_over_ep_etp_and_edp():
     rows = stage_rows(w.model, t1, 2, 1, 1, 4, 0, None, ep=4, etp=1)
     row = rows[0]
     assert row["expert_parameters"] == 98_304 and row["moe_layers"] == 4
-    # Stage 1: weights 4 B and gradients 4 B whole, optimizer (Adam 8 + fp32 main 4) / edp = 2.
-    assert row["expert_bytes"] == 98_304 * (4 + 4 + 12 / 2)
+    # Stage 1: weights 4 B and gradients 4 B whole, optimizer / edp = 2: Adam 8, no fp32 main copy of fp32
+    # weights (optimizer.overlap_rules.main_weight_bytes; 4 more without that rule).
+    main = main_weight_bytes(4, 1)
+    assert main in (0, 4) and row["expert_bytes"] == 98_304 * (4 + 4 + (8 + main) / 2)
     dense = stage_rows(w.model, t1, 2, 1, 1, 4, 0, None, ep=1, etp=2)[0]
     # Same dense part; ep1 etp2: 8 experts of width 32 on every rank, optimizer over edp 4.
     assert dense["expert_parameters"] == 4 * 8 * (64 * 64 + 32 * 64)
-    assert dense["expert_bytes"] == dense["expert_parameters"] * (4 + 4 + 12 / 4)
+    assert dense["expert_bytes"] == dense["expert_parameters"] * (4 + 4 + (8 + main) / 4)
     assert row["parameters"] - row["expert_parameters"] == dense["parameters"] - dense["expert_parameters"]
     # Adding experts to a rank's weights/grads/optimizer: the dense rows plus expert_bytes.
     assert row["weights_bytes"] + row["gradients_bytes"] + row["optimizer_bytes"] == (
@@ -389,7 +392,7 @@ def test_zero_stage_3_runs_the_experts_as_stage_2():
     w = preset("tiny-moe")
     t3 = replace(w.training, zero_stage=3)
     row = stage_rows(w.model, t3, 2, 1, 1, 4, 0, None, ep=4, etp=1)[0]
-    assert row["expert_bytes"] == 98_304 * (4 + 4 / 2 + 12 / 2)
+    assert row["expert_bytes"] == 98_304 * (4 + 4 / 2 + (8 + main_weight_bytes(4, 3)) / 2)
     dense_params = row["parameters"] - row["expert_parameters"]
     assert row["gathered_bytes"] == 4 * dense_params  # only the dense weights are gathered
     edp = [(r["op"], r["count"]) for r in traffic(w.model, t3, 2, 1, 1, 4, ep=4, etp=1) if r["group"] == "edp"]
