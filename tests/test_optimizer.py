@@ -31,9 +31,33 @@ COMPILED_LOSS_RTOL = 5e-6
 # ----------------------------------------------------------------------------- pure layout
 def test_layout_imports_no_mindspore():
     code = ("import sys; import mindscience.distributed.optimizer.layout, "
-            "mindscience.distributed.optimizer.validate; print('mindspore' in sys.modules)")
+            "mindscience.distributed.optimizer.validate, "
+            "mindscience.distributed.optimizer.overlap_rules; print('mindspore' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_overlap_rules_say_what_runs():
+    """The contract the cost model reads: what overlaps in each mode, and main weights."""
+    from mindscience.distributed.optimizer.overlap_rules import (
+        grad_reduce_overlap, main_weight_bytes, param_gather_overlap,
+    )
+
+    table = {(mode, stage, pp): grad_reduce_overlap(mode, stage, pp)[0]
+             for mode in ("pynative", "jit") for stage in (0, 1, 2, 3) for pp in (1, 2)}
+    assert [k for k, v in table.items() if v] == [
+        ("pynative", 0, 1), ("pynative", 0, 2), ("pynative", 1, 1), ("pynative", 1, 2),
+        ("pynative", 2, 1), ("pynative", 2, 2), ("jit", 0, 2), ("jit", 1, 2), ("jit", 2, 2)]
+    assert "reduce-scatter" in grad_reduce_overlap("pynative", 2)[1]
+    assert "all-reduce" in grad_reduce_overlap("pynative", 0)[1]
+    assert "compiled graph" in grad_reduce_overlap("jit", 1)[1]
+    assert all(param_gather_overlap(m, z)[0] is False for m in ("pynative", "jit") for z in range(4))
+    assert "not implemented" in param_gather_overlap("pynative", 1)[1]
+    assert [main_weight_bytes(w, z) for w in (2, 4) for z in range(4)] == [4, 4, 4, 4, 0, 0, 0, 0]
+    for bad in (lambda: grad_reduce_overlap("graph", 0), lambda: grad_reduce_overlap("jit", 4),
+                lambda: grad_reduce_overlap("jit", 0, 0), lambda: main_weight_bytes(0, 1)):
+        with pytest.raises(ValueError, match="is invalid"):
+            bad()
 
 
 @pytest.mark.parametrize("rows,d,want", [(5, 4, [(0, 2), (2, 4), (4, 5), (5, 5)]),
@@ -466,3 +490,24 @@ def test_8ranks_tp2_pp2_dp2_every_stage_matches_the_reference(job8, mode):
         curves = {tuple(r["losses"]) for r in records if r["stage"] == stage}
         assert len(curves) == 1, (stage, curves)
     assert {r["pp_rank"] for r in records} == {0, 1}
+
+
+def test_one_process_overlap_options():
+    """Bad overlap options raise; with one rank nothing is launched and the step is the
+    plain one (the hooks are not even armed)."""
+    import mindspore as ms
+
+    from mindscience.distributed.optimizer import DistributedOptimizer, DistributedOptimizerError
+
+    p = ms.Parameter(ms.Tensor(np.ones((3, 2), np.float32)), name="ov_w")
+    with pytest.raises(DistributedOptimizerError, match="overlap_grad_reduce=1 is invalid"):
+        DistributedOptimizer([p], overlap_grad_reduce=1)
+    opt = DistributedOptimizer([p], lr=0.1, optimizer="sgd", momentum=0.0, zero_stage=1,
+                               overlap_grad_reduce=True, overlap_param_gather=True)
+    assert opt.grad_reduce_overlap("pynative") == (
+        False, "the dp-cp group has one rank: there is no reduction to overlap.")
+    with opt.overlap_backward():
+        g = ms.Tensor(np.full((3, 2), 2.0, np.float32))
+    opt((g,))
+    np.testing.assert_array_equal(p.asnumpy(), np.full((3, 2), 0.8, np.float32))
+    assert opt.overlap_timeline() == [] and opt.memory_bytes()["optimizer"] == 0

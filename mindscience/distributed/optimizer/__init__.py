@@ -1,8 +1,9 @@
 """ZeRO-style distributed optimizer: sharded optimizer state, gradients and weights.
 
-``layout`` (shard and bucket arithmetic, contract C1/C2 bytes), ``validate`` and
-``errors`` import no MindSpore; :class:`DistributedOptimizer` (module ``distributed``)
-loads it on first access.
+``layout`` (shard and bucket arithmetic, contract C1/C2 bytes), ``overlap_rules`` (what
+``overlap_grad_reduce`` / ``overlap_param_gather`` overlap in each mode, and the bytes of
+main weights, read by the cost model), ``validate`` and ``errors`` import no MindSpore;
+:class:`DistributedOptimizer` (module ``distributed``) loads it on first access.
 """
 
 import importlib
