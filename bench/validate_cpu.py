@@ -5,7 +5,9 @@
 2. one msrun launch of 8 ranks trains ``examples/inside_train_transformer.py``'s block (jit
    train step: value_and_grad + GradientFinalizer + AdamW) on every tp x cp x dp layout of 8
    ranks and records the slowest rank's median step time (steps after the first);
-3. the cost model, with ``--calibrate`` from that report, predicts each layout's step:
+3. the cost model, with ``--calibrate`` from that report (the ``cpu`` preset's cores and
+   operator launches kept: docs/COST_MODEL.md, "Ranks sharing cores"), predicts each layout's
+   compiled step:
    the same block (1 layer, d_model, heads, ffn, the sequence, the example's vocabulary-parallel
    embedding and LM head) as a ``model:``, fp32,
    sequence parallelism, one micro-batch of ``batch / dp`` samples per dp rank, and no
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
         training = TrainingSpec(micro_batch_size=args.batch // dp, global_batch_size=args.batch, precision="fp32",
                                 sequence_parallel=True, overlap_grad_reduce=False)
         layout = Layout(world_size=WORLD, tp=tp, cp=cp)
-        time = estimate(layout, Workload(model=model, training=training, cluster=cluster))["time"]
+        time = estimate(layout, Workload(model=model, training=training, cluster=cluster), mode="jit")["time"]
         rows.append((tp, cp, dp, time["step_time_s"], measured[(tp, cp, dp)], time["breakdown"]))
     print(f"command: {command}")
     print(f"{WORLD} ranks, launch wall {wall:.0f} s, load {load_before} -> {load_after}; verify report {report_path}")

@@ -42,10 +42,10 @@ DEVICE_PRESETS: dict[str, dict] = {
     },
     # Fitted to msdist train's steps on the project's 2-core machine (docs/COST_MODEL.md, "Ranks
     # sharing cores"): per rank on a core of its own, an operator launch 84 us (one rank's step),
-    # a collective call 2.1 ms and 2.7 MB/s (the steps of 4 and 8 ranks, divided by ranks / cores).
+    # a ring hop 2.4 ms and 4.9 MB/s (the steps of 4 and 8 ranks, divided by ranks / cores).
     "cpu": {
-        "peak_tflops": 0.1, "device_memory_gb": 16, "intra_node_gbps": 0.0027, "inter_node_gbps": 0.0027,
-        "intra_node_latency_us": 2100.0, "inter_node_latency_us": 4200.0,
+        "peak_tflops": 0.1, "device_memory_gb": 16, "intra_node_gbps": 0.0049, "inter_node_gbps": 0.0049,
+        "intra_node_latency_us": 2400.0, "inter_node_latency_us": 4800.0,
         # Ranks share this machine's cores (local_cores()); each operator costs a launch.
         "cores_per_node": "local", "op_overhead_us": 84.0,
         "about": "MindSpore's CPU backend (ranks sharing the machine's cores, collectives over loopback)",

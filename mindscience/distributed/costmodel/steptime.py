@@ -235,6 +235,26 @@ def backend_calls(row: dict, cluster: ClusterSpec) -> int:
     return 2 if composed and row["op"] == "send_recv" and row["group"] != "pp" and row["group_size"] > 2 else 1
 
 
+def ring_steps(row: dict, cluster: ClusterSpec) -> int:
+    """Hops of one call on a host whose ranks share cores: each waits for its peer to run.
+
+    On such a host (``cluster.cores_per_node``, no measured ``collective_latency_us``) a
+    ring all-reduce over ``n`` ranks is ``2 (n - 1)`` hops, an all-gather, reduce-scatter
+    or all-to-all ``n - 1``, a transfer one; each hop costs the link's latency. Elsewhere 1
+    (the latency is the whole call's, as nccl-tests measure it).
+
+        >>> host = ClusterSpec(device="cpu", cores_per_node=2)
+        >>> [ring_steps({"op": op, "group_size": 4}, host) for op in ("all_reduce", "all_gather", "send_recv")]
+        [6, 3, 1]
+    """
+    if not cluster.cores_per_node or cluster.collective_latency_us:
+        return 1
+    n = row["group_size"]
+    if row["op"] == "send_recv" or n <= 1:
+        return 1
+    return 2 * (n - 1) if row["op"] == "all_reduce" else n - 1
+
+
 def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, crosses: bool,
                        ops: tuple | None = None) -> float:
     """Alpha-beta time of a group's rows from :func:`~.comm.traffic`: ``calls * latency + bytes / bandwidth``.
@@ -247,7 +267,7 @@ def collective_seconds(rows: list[dict], group: str, cluster: ClusterSpec, cross
 
     def latency(r):
         n = 2 if r["op"] == "send_recv" else r["group_size"]
-        return backend_calls(r, cluster) * cluster.collective_latency_s(r["op"], n, crosses)
+        return backend_calls(r, cluster) * cluster.collective_latency_s(r["op"], n, crosses) * ring_steps(r, cluster)
 
     # Start at 0.0: a group without rows (size 1) is 0.0 s, a float like every other term.
     return sum((r["count"] * latency(r) + r["bytes"] / bandwidth for r in rows
