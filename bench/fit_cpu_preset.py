@@ -10,12 +10,17 @@ smallest median |log(predicted / measured)| over every measured step it is given
 * ``--train FILE``: ``msdist train ... -o FILE`` reports (layout, model, training, mode and the
   measured step are in the report);
 * ``--table FILE``: ``python bench/validate_train.py --output FILE`` results (tiny-gpt on
-  every layout of 8 ranks).
+  every layout of 8 ranks);
+* ``--recorded FILE``: steps written down with their source, model preset and layout
+  (``bench/cpu_preset_steps.json``: the quiet runs the preset was fitted to).
+
+The preset's fit (``--op-us 84``: one rank's step over its operators, nothing shared):
+``python bench/fit_cpu_preset.py --recorded bench/cpu_preset_steps.json --op-us 84``.
 
 The other preset values stay (peak, memory); ``--cores`` is the machine's (2 here).
 Prints the best pair, the median |error|, Spearman's rank correlation and each step.
 
-Run:  python bench/fit_cpu_preset.py --train dp4.json --train tp2pp2.json --table vt.json [--cores 2]
+Run:  python bench/fit_cpu_preset.py [--recorded steps.json] [--train dp4.json] [--table vt.json] [--cores 2]
 """
 
 from __future__ import annotations
@@ -54,14 +59,34 @@ def train_cases(path: str) -> list:
              data["measured"]["step_time_s"])]
 
 
-def table_cases(path: str) -> list:
+def recorded_cases(path: str) -> list:
+    """The steps of a ``bench/cpu_preset_steps.json``-style file: ``train`` entries (a model preset, layout
+    sizes, training keys over the preset's, the mode, the measured step) and a ``table`` as
+    :func:`table_cases` reads it."""
+    from mindscience.distributed.costmodel import load_workload
+    from mscli.layouts import resolve_model
+
+    data = json.loads(Path(path).read_text())
+    out = []
+    for entry in data.get("train", []):
+        workload = load_workload(resolve_model(entry["model"]))
+        workload = replace(workload, training=replace(workload.training, **entry["training"]))
+        layout = Layout(**{"devices_per_node": entry["layout"]["world_size"], **entry["layout"]})
+        out.append((f"{Path(path).name}: {entry['label']}", layout, workload, entry["mode"], entry["measured_s"]))
+    if "table" in data:
+        out += table_cases(data["table"], Path(path).name)
+    return out
+
+
+def table_cases(path, name: str | None = None) -> list:
     """The measured layouts of a ``bench/validate_train.py --output`` file, rebuilt as it builds them."""
     from validate_train import layouts
 
     from mindscience.distributed.costmodel import load_workload
     from mscli.layouts import resolve_model
 
-    data = json.loads(Path(path).read_text())
+    data = path if isinstance(path, dict) else json.loads(Path(path).read_text())
+    name = name or Path(path).name
     command = data.get("command", "")
     mode = "pynative" if "--mode pynative" in command else "jit"
     steps = int(command.split("--steps")[1].split()[0]) if "--steps" in command else 3
@@ -72,7 +97,7 @@ def table_cases(path: str) -> list:
     for lay, run, _ in cases:
         key = (lay.tp, lay.cp, lay.pp, lay.dp)
         if key in measured:
-            out.append((f"{Path(path).name}: tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp}", lay, run, mode,
+            out.append((f"{name}: tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp}", lay, run, mode,
                         measured[key]))
     return out
 
@@ -105,14 +130,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", action="append", default=[], help="an msdist train -o report (repeat)")
     parser.add_argument("--table", action="append", default=[], help="a validate_train.py --output file (repeat)")
+    parser.add_argument("--recorded", action="append", default=[],
+                        help="a file of recorded steps, e.g. bench/cpu_preset_steps.json (repeat)")
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--op-us", type=float, help="fix op_overhead_us instead of fitting it")
     parser.add_argument("--latency-us", type=float, help="fix intra_node_latency_us instead of fitting it")
     parser.add_argument("--gbps", type=float, help="fix intra_node_gbps instead of fitting it")
     args = parser.parse_args(argv)
-    cases = [c for f in args.train for c in train_cases(f)] + [c for f in args.table for c in table_cases(f)]
+    cases = ([c for f in args.recorded for c in recorded_cases(f)] + [c for f in args.train for c in train_cases(f)]
+             + [c for f in args.table for c in table_cases(f)])
     if not cases:
-        parser.error("give at least one --train or --table file")
+        parser.error("give at least one --recorded, --train or --table file")
     measured = np.array([c[4] for c in cases])
     base, per_op, per_latency, per_inverse_gbps = linear_terms(cases, args.cores)
     # A log grid: 1 us .. 100 ms per operator and per call, 0.001 .. 10 GB/s.
