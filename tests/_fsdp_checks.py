@@ -178,8 +178,9 @@ def parity(ctx, tp=1, modes=("pynative", "jit", "graph"), reshard=(False,), pois
     ref_grads = GradientFinalizer(ref_params)(ref_grads)
     ref_by_name = {p.name: g.asnumpy() for p, g in zip(ref_params, ref_grads)}
     for mode in modes:
-        for rs in (reshard if mode == "pynative" else (False,)):
-            net = _build(7, sp, shard=True, reshard=rs)
+        # compiled: the default flags (reshard_after_forward=True runs as False there)
+        for rs in (reshard if mode == "pynative" else (True,)):
+            net = _build(7, sp, shard=True, reshard=rs, units=True)  # the block, then the root
             params = net.trainable_params()
             names_same = [p.name for p in params] == [p.name for p in ref_params]
             poisoned = 0

@@ -25,14 +25,18 @@ TIMEOUT_S = 1500
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SPEC = {
-    "modules": ["_fsdp_checks", "_fsdp_gpt_checks"],
+    "modules": ["_fsdp_checks", "_fsdp_gpt_checks", "_fsdp_unit_checks"],
     "checks": [
         {"name": "fsdp.parity", "params": {"tp": 1, "modes": ["pynative", "jit"],
                                            "reshard": [False, True]}},
-        {"name": "fsdp.compiled_reshard_refused", "params": {}},
+        # three blocks + root as four units: reshard x prefetch in PyNative, and tp2 x dp2
+        # once (compiled, the default flags run as reshard_after_forward=False: fsdp.parity's
+        # jit and graph runs, with the block a unit of its own; a jit run here cost 34 s of CPU)
+        {"name": "fsdp.units", "params": {"tp": 1, "modes": ["pynative"]}},
         {"name": "fsdp.train", "params": {"steps": 5}},
         {"name": "fsdp.bf16", "params": {"modes": ["pynative", "jit"]}},
         {"name": "fsdp.parity", "params": {"tp": 2, "modes": ["pynative", "graph"]}},
+        {"name": "fsdp.units", "params": {"tp": 2, "modes": ["pynative"], "combos": [[True, True]]}},
         {"name": "fsdp.pipeline", "params": {"schedules": ["1f1b", "gpipe"],
                                              "modes": ["pynative"]}},
         {"name": "fsdp.pipeline", "params": {"schedules": ["1f1b"], "modes": ["jit"]}},

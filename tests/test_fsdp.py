@@ -54,8 +54,34 @@ def test_shard_rows_rejects_bad_numbers(bad):
         shard_rows(*bad)
 
 
+def test_runtime_rules():
+    from mindscience.distributed.fsdp import fsdp_runtime
+    from mindscience.distributed.fsdp.rules import peak_gathered_bytes, unit_reshards
+
+    assert fsdp_runtime("pynative") == {"reshard_after_forward": True, "prefetch": True,
+                                        "gathers_per_unit": 2, "units_alive": 2, "reason": None}
+    assert fsdp_runtime("pynative", True, False)["units_alive"] == 1
+    off = fsdp_runtime("pynative", False, True)
+    assert (off["gathers_per_unit"], off["units_alive"], off["prefetch"]) == (1, None, True)
+    for mode in ("jit", "graph"):  # compiled: per-parameter gathers kept to the backward
+        got = fsdp_runtime(mode)
+        assert (got["reshard_after_forward"], got["prefetch"], got["gathers_per_unit"],
+                got["units_alive"]) == (False, False, 1, None)
+        assert "reshard_after_forward and prefetch run in PyNative only" in got["reason"]
+    assert fsdp_runtime("jit", False, False)["reason"] is None
+    assert unit_reshards(True, False) and not unit_reshards(True, True)
+    assert peak_gathered_bytes([100, 100, 40], 10) == 210
+    assert peak_gathered_bytes([100, 100, 40], 10, True, False) == 110
+    assert peak_gathered_bytes([100, 100, 40], 10, False) == 250
+    with pytest.raises(ValueError, match="mode='eager'"):
+        fsdp_runtime("eager")
+    with pytest.raises(ValueError, match="prefetch=1 must be True or False"):
+        fsdp_runtime("pynative", True, 1)
+
+
 def test_arithmetic_imports_without_mindspore():
     code = ("import sys; from mindscience.distributed.fsdp import shard_rows, shard_range; "
+            "from mindscience.distributed.fsdp.rules import fsdp_runtime; fsdp_runtime('jit'); "
             "assert shard_rows(10, 4) == 3; assert 'mindspore' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -168,8 +194,10 @@ def test_errors_before_any_change():
         fully_shard(net, 4)
     with pytest.raises(FullyShardError, match="is not a group of this process"):
         fully_shard(net, ParallelGroup(key="dp-cp", ranks=(0, 1), rank=5, backend_name="x"))
-    with pytest.raises(FullyShardError, match="reshard_after_forward=1"):
+    with pytest.raises(FullyShardError, match="reshard_after_forward=1 must be True or False"):
         fully_shard(net, _group(), reshard_after_forward=1)
+    with pytest.raises(FullyShardError, match="prefetch='yes' must be True or False"):
+        fully_shard(net, _group(), prefetch="yes")
     net[1].gamma.msdist_optimizer_built = True
     with pytest.raises(FullyShardError, match="DistributedOptimizer was already built over "
                                               "parameter '1.gamma'"):
@@ -243,10 +271,11 @@ def _records(job, name, n_min):
 @pytest.mark.multiprocess
 def test_parity_dp4_pynative_jit_and_reshard(job):
     records = [r for r in _records(job, "fsdp.parity", 4) if r["group"] == "tp1-dp4"]
-    # 4 ranks x (pynative, pynative + reshard_after_forward, jit)
+    # 4 ranks x (pynative, pynative + reshard_after_forward, jit with the default flags,
+    # which compiled code runs as reshard_after_forward=False)
     assert len(records) == 12
     assert {(r["mode"], r["reshard"]) for r in records} == {
-        ("pynative", False), ("pynative", True), ("jit", False)}
+        ("pynative", False), ("pynative", True), ("jit", True)}
     for r in records:
         assert r["names_same"], r
         assert r["loss_error"] <= 1e-6 and r["max_error"] < 1e-6, r
@@ -300,10 +329,47 @@ def test_zero3_training_matches_reference_adamw(job):
         assert mem["optimizer"] == 2 * mem["weights"] and mem["gradients"] == mem["weights"]
 
 
+UNIT_COUNTS = {  # (forward, backward gathers, prefetched, reduce-scatters) of the measured step
+    # three block units (forward order), then the root (embedding, head)
+    (True, True): [(1, 1, 2, 1), (1, 1, 2, 1), (1, 1, 1, 1), (1, 0, 0, 1)],
+    (True, False): [(1, 1, 0, 1)] * 3 + [(1, 0, 0, 1)],
+    (False, True): [(1, 0, 1, 1)] * 3 + [(1, 0, 0, 1)],
+    (False, False): [(1, 0, 0, 1)] * 4,
+}
+
+
 @pytest.mark.multiprocess
-def test_compiled_code_refuses_reshard_after_forward(job):
-    records = _records(job, "fsdp.compiled_reshard_refused", 4)
-    assert all(r["passed"] for r in records), records
+def test_units_reshard_and_prefetch_match_the_whole_model(job):
+    """FSDP2 units: every (reshard_after_forward, prefetch) gives the whole model's loss
+    and gradients; one all-gather per unit (two for a resharding block: one in the
+    backward) and one reduce-scatter, not one per parameter; the peak of gathered bytes
+    is the root + the two largest neighbouring blocks with reshard and prefetch."""
+    records = _records(job, "fsdp.units", 20)
+    assert {(r["group"], r["reshard"], r["prefetch"]) for r in records} == {
+        ("tp1-dp4", True, True), ("tp1-dp4", True, False), ("tp1-dp4", False, True),
+        ("tp1-dp4", False, False), ("tp2-dp2", True, True)}
+    grads = {}
+    for r in records:
+        assert r["loss_error"] <= 1e-6 and r["max_error"] < 1e-6, r
+        assert r["units"] == 4 and r["params"] == 35, r
+        assert r["unit_reshards"] == [r["reshard"]] * 3 + [False]  # the root keeps its weights
+        counts = [(c["forward_gathers"], c["backward_gathers"], c["prefetched"],
+                   c["reduce_scatters"]) for c in r["counts"]]
+        assert counts == UNIT_COUNTS[(r["reshard"], r["prefetch"])], r
+        assert r["peak_bytes"] == r["figure"] and r["alive_after"] == 0, r
+        grads.setdefault((r["group"], r["rank"]), []).append(r["grads"])
+        if r["group"] == "tp1-dp4":
+            # fp32 bytes of 3 blocks (2048 each: norm 10, fc 12x10+12, 10x12+10, ln 20,
+            # dense 110, linear 110 = 512 floats) and the root (embedding 30x10, head 30x10)
+            assert r["unit_bytes"] == [2048, 2048, 2048, 2400]
+            assert r["peak_bytes"] == {(True, True): 2400 + 2 * 2048, (True, False): 2400 + 2048,
+                                       (False, True): 2400 + 3 * 2048,
+                                       (False, False): 2400 + 3 * 2048}[(r["reshard"], r["prefetch"])]
+            # backend collectives of the step: a gather per unit (and per resharding
+            # block again) + a reduce-scatter per unit; 35 parameters
+            assert r["collectives"] == (11 if r["reshard"] else 8), r
+    for key, runs in grads.items():  # the flags change when weights move, not the sums
+        assert all(run == runs[0] for run in runs), key
 
 
 @pytest.mark.multiprocess

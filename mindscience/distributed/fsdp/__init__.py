@@ -21,41 +21,52 @@ group rank weight shard   rows of the full ``[10, 64]`` weight
 3          ``[3, 64]``    9 and two zero rows of padding
 =========  =============  ===========================================
 
-Mechanism (the same in PyNative, ``ms.jit`` and GRAPH_MODE): each cell that owns
-parameters gets a subclass of its own class whose parameter attributes are properties.
-The Parameter object stays in the cell's parameter table under its attribute name, so
-``parameters_and_names()``, ``trainable_params()`` and every ``param.name`` are
-unchanged, and its data is the shard. Reading ``self.weight`` returns:
+Units (torch FSDP2's design): each ``fully_shard`` call makes one unit of the parameters it
+shards. Call it on each block (a transformer layer) first and then on the model (the root
+unit: the embeddings, the head, whatever no block holds), or once on the model (one unit)::
 
-* in compiled code, always the gathered tensor: an ``nn.Cell`` whose ``construct`` is the
-  all-gather and whose ``bprop`` the reduce-scatter (as the mappings are built), so the
-  layer's unmodified ``construct`` compiles;
-* eagerly, while a fully sharded cell is being called (its ``__call__``), the gathered
-  tensor, gathered once per parameter and outermost call;
-* eagerly otherwise (user code, ``repr``, optimizers, checkpoints), the shard Parameter
-  itself, with no communication: a rank that prints its model does not start a
-  collective that the other ranks never join.
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
 
-What is kept alive, and when: the shards always. By default autodiff keeps each gathered
-tensor that the forward used (e.g. ``W`` of ``y = x W^T``, needed by ``dx = dy W``)
-until its backward has run, so the full weights of every layer are alive between forward
-and backward, as without sharding (only the stored parameters, gradients and optimizer
-state are ``1/d``). With ``reshard_after_forward=True`` (torch FSDP2's name) every cell
-that owns sharded parameters is recomputed (PyNative's ``Cell.recompute()`` machinery):
-the forward keeps only the cell's inputs, and the backward gathers the weights again
-just before the cell's backward, holding one layer's full weights at a time at the price
-of a second all-gather per layer. PyNative only: under ``ms.jit`` / GRAPH_MODE the
-recomputed all-gathers and the reduce-scatters of a group were scheduled in different
-orders on different ranks (measured: wrong gradients at dp4), so compiled code raises a
-``ValueError`` at trace time for such parameters.
+In PyNative a unit is gathered with ONE all-gather of its shards flattened into one buffer
+(one per dtype of its parameters), at the first read of one of its parameters inside a
+fully sharded call, then split into the full tensors; its backward is ONE reduce-scatter of
+the unit's flat gradient, divided by d, as the unit's backward ends (:mod:`.unit`).
 
-Collectives and ordering: one all-gather per parameter read in the forward, one
-reduce-scatter per parameter in the backward (a read is gathered once per call
-eagerly; compiled code may gather a parameter read twice twice). Compiled, they follow
-the layer chain; independent collectives of one group in one graph may run in
-different orders on different ranks (docs/COMPILED_MODE.md), which the recompute of
-``reshard_after_forward`` provoked and the plain forward/backward did not (measured at
-dp4, tp2 x dp2 and pp2 x dp2).
+* ``reshard_after_forward=True`` (the default): the unit's gathered weights are dropped when
+  its forward ends (a ``saved_tensors_hooks`` pack hook keeps a key instead of each saved
+  gathered weight) and gathered again by the first unpack of its backward: 2 all-gathers per
+  unit and micro-batch, no forward re-run. A unit that contains other units (the root) keeps
+  its weights from its forward to its backward, which follows at once. ``False`` keeps every
+  unit's gathered weights until its backward, as an unsharded model keeps its weights.
+* ``prefetch=True`` (the default): when a unit gathers in the forward, the next unit's gather
+  (in the order of the previous forward, the same on every rank) is launched asynchronously
+  (``mint.distributed.all_gather(..., async_op=True)``, measured to work on CPU); in the
+  backward the first unpack of a unit launches the gather of the unit before it. With both,
+  at most the root and two neighbouring blocks are gathered at once.
+* Counters: :func:`gathered_bytes` (full bytes of gathered weights alive: added when a unit's
+  gather is issued, subtracted when it is dropped), :func:`peak_gathered_bytes` and
+  :func:`reset_gathered_bytes`; ``FsdpUnit.counts`` per unit (forward and backward gathers,
+  prefetched ones, reduce-scatters); :func:`units_of`. ``rules.peak_gathered_bytes`` is the
+  figure they reach; :func:`fsdp_runtime` (:mod:`.rules`, pure) says what runs per mode and is
+  what the cost model reads.
+
+Compiled code (``ms.jit``, GRAPH_MODE) runs as ``reshard_after_forward=False, prefetch=False``
+whatever was asked (``fsdp_runtime("jit")["reason"]`` says why): reading ``self.weight`` in a
+traced ``construct`` is an all-gather Cell per parameter (``construct`` the gather, ``bprop``
+the reduce-scatter), kept from the forward to the backward. Recomputed gathers of a group were
+ordered differently on different ranks there (measured: wrong gradients at dp4).
+
+Mechanism: each cell that owns parameters gets a subclass of its own class whose parameter
+attributes are properties. The Parameter object stays in the cell's parameter table under
+its attribute name, so ``parameters_and_names()``, ``trainable_params()`` and every
+``param.name`` are unchanged, and its data is the shard. Reading ``self.weight`` returns the
+gathered tensor in compiled code and, eagerly, while a fully sharded cell is being called
+(its ``__call__``; a read outside the unit's own call, such as a tied head reading the
+embedding, gathers that unit once per outermost call); eagerly otherwise (user code,
+``repr``, optimizers, checkpoints) the shard Parameter itself, with no communication: a rank
+that prints its model does not start a collective that the other ranks never join.
 
 Optimizers: :class:`mindscience.distributed.optimizer.DistributedOptimizer` with
 ``zero_stage=3`` steps the shards as they are; :class:`GradientFinalizer` skips the dp-cp

@@ -28,6 +28,8 @@ is the most seen since :func:`reset_gathered_bytes`.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 __all__ = ["FsdpUnit", "gathered_bytes", "peak_gathered_bytes", "reset_gathered_bytes",
@@ -52,18 +54,26 @@ def peak_gathered_bytes() -> int:
 def reset_gathered_bytes() -> None:
     """Start a new peak from the bytes alive now (and zero each unit's collective counts)."""
     _Bytes.peak = _Bytes.alive
-    for unit in _ALL_UNITS:
+    for unit in _all_units():
         unit.reset_counts()
 
 
-_ALL_UNITS: list = []
+_BUSY: set = set()  # units with a gather in flight or a backward regather held
+_UNITS: list = []  # weak references: a dropped model's units go with it
+
+
+def _all_units() -> list:
+    alive = [ref() for ref in _UNITS]
+    if len([u for u in alive if u is None]) > 64:
+        _UNITS[:] = [ref for ref, u in zip(_UNITS, alive) if u is not None]
+    return [u for u in alive if u is not None]
 
 
 def units_of(cell) -> list:
     """The :class:`FsdpUnit` objects of ``cell`` and its sub-cells, in registration order."""
     mine = {id(unit.cell) for _, sub in cell.cells_and_names()
             for unit in [sub.__dict__.get("_fsdp_unit")] if unit is not None}
-    return [unit for unit in _ALL_UNITS if id(unit.cell) in mine]
+    return [unit for unit in _all_units() if id(unit.cell) in mine]
 
 
 class _Order:
@@ -150,6 +160,7 @@ def _gather_fn():
                 unit.free()
             if unit.pending is not None:  # prefetched for a backward that did not need it
                 unit.drain()
+            _BUSY.discard(unit)
             return (None, None) + tuple(grads)
 
     _GATHER = _UnitGather
@@ -192,7 +203,7 @@ class FsdpUnit:
         self.live = 0  # gathered copies counted in _Bytes.alive
         self.counts = {}
         self.reset_counts()
-        _ALL_UNITS.append(self)
+        _UNITS.append(weakref.ref(self))
 
     def reset_counts(self):
         self.counts = {"forward_gathers": 0, "backward_gathers": 0, "prefetched": 0,
@@ -238,6 +249,7 @@ class FsdpUnit:
             return
         self.pending = self._issue(True)
         self.counts["prefetched"] += 1
+        _BUSY.add(self)
 
     def collect(self):
         """The gathered parts of every bucket: the prefetched ones, or gathered now."""
@@ -357,6 +369,7 @@ class FsdpUnit:
                 if prev is not None and prev.reshard:
                     prev.launch_prefetch()
             self.bwd_full = self.split(launched)
+            _BUSY.add(self)
         return self.bwd_full[index]
 
     def __repr__(self):
@@ -385,20 +398,23 @@ def leave():
 
 
 def _begin_pass():
-    for unit in _ALL_UNITS:  # a stale prefetch or regather (a backward that did not finish)
+    for unit in list(_BUSY):  # a stale prefetch or regather (a backward that did not finish)
         unit.drain()
         if unit.bwd_full is not None:
             unit.bwd_full = None
             unit.free()
+    _BUSY.clear()
     _Order.seen = []
 
 
 def _end_pass():
     if _Order.seen:
         _Order.forward = list(_Order.seen)
-    for unit in _ALL_UNITS:  # prefetched for a unit this call did not run
+    for unit in list(_BUSY):  # prefetched for a unit this call did not run
         if unit.pending is not None:
             unit.drain()
+        if unit.bwd_full is None:
+            _BUSY.discard(unit)
     for unit in _State.foreign_free:
         unit.free()
     _State.foreign, _State.foreign_free = {}, []

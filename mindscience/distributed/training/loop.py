@@ -121,9 +121,14 @@ class Trainer:
             from mindscience.distributed.fsdp import fully_shard
 
             # Stage 3 steps the dim-0 shards fully_shard makes (contract C3), over the
-            # optimizer's group.
-            fully_shard(self.model, manager.get_data_context_parallel_group() if parallel
-                        else ParallelGroup.trivial("dp-cp"))
+            # optimizer's group: each transformer layer one unit (FSDP2), the root the rest.
+            group = (manager.get_data_context_parallel_group() if parallel
+                     else ParallelGroup.trivial("dp-cp"))
+            flags = {"reshard_after_forward": bool(getattr(self.training, "reshard_after_forward", True)),
+                     "prefetch": bool(getattr(self.training, "fsdp_prefetch", True))}
+            for layer in self.model.layers.cells():
+                fully_shard(layer, group, **flags)
+            fully_shard(self.model, group, **flags)
         self.params = self.model.trainable_params()
         # The training spec's overlap options (issue 37): the same results bit for bit,
         # the dp-cp reduction launched during the backward where the mode allows
