@@ -241,8 +241,7 @@ def what_runs(training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
     """
     notes = []
     d = dp * cp
-    compiled = mode != PRICED_MODE
-    if compiled:
+    if mode != PRICED_MODE:
         return _what_runs_compiled(training, tp, cp, pp, dp, notes)
     stage_recompute, reason = pipeline_recompute(training, pp)
     if stage_recompute:

@@ -171,7 +171,7 @@ OPTIMIZER_OPS_PER_TENSOR = 12
 
 def step_operators(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
                    stage: int, runtime=None) -> dict:
-    """Operators pipeline rank ``stage`` launches: ``{"forward", "backward"}`` per micro-batch, ``"optimizer"`` per step.
+    """Operators rank ``stage`` launches: ``{"forward", "backward"}`` per micro-batch, ``"optimizer"`` per step.
 
     A layer's forward launches :data:`LAYER_FORWARD_OPS`, the first and the last stage
     :data:`EDGE_FORWARD_OPS` more each; the backward :data:`BACKWARD_OPS_PER_FORWARD`
