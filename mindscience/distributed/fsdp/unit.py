@@ -192,13 +192,12 @@ class FsdpUnit:
         self.cell, self.params, self.group = cell, list(params), group
         self.reshard, self.prefetch = bool(reshard), bool(prefetch)
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.bytes = int(sum(int(np.prod(p.fsdp.full_shape, dtype=np.int64)) * p.itemsize
-                             for p in self.params))
-        self.buckets = self._buckets()
+        self._layout = (None, None)  # (dtypes, buckets) of the last gather
         self.full = None  # the forward's gathered tensors while the unit runs
         self.bwd_full = None  # the backward's, from the first unpack to the reduce-scatter
         self.pending = None  # (handle or None, parts, flat inputs) of a gather in flight
         self.active = 0
+        self.held_bytes = 0  # bytes of one gathered copy, as counted
         self.kept = False  # the forward's gathered weights stay alive for the backward
         self.live = 0  # gathered copies counted in _Bytes.alive
         self.counts = {}
@@ -209,8 +208,24 @@ class FsdpUnit:
         self.counts = {"forward_gathers": 0, "backward_gathers": 0, "prefetched": 0,
                        "reduce_scatters": 0}
 
+    @property
+    def bytes(self) -> int:
+        """Full (unpadded) bytes of the unit's parameters in their dtypes now."""
+        return int(sum(int(np.prod(p.fsdp.full_shape, dtype=np.int64)) * p.itemsize
+                       for p in self.params))
+
+    @property
+    def buckets(self):
+        """``[(dtype, [(param index, offset, numel), ...], total)]``, one per dtype.
+
+        From the parameters' dtypes now (a model may cast its shards after fully_shard).
+        """
+        dtypes = tuple(p.dtype for p in self.params)
+        if self._layout[0] != dtypes:
+            self._layout = (dtypes, self._buckets())
+        return self._layout[1]
+
     def _buckets(self):
-        """``[(dtype, [(param index, offset, numel), ...], total)]``, one per dtype."""
         by_dtype = {}
         for i, p in enumerate(self.params):
             by_dtype.setdefault(p.dtype, []).append(i)
@@ -231,6 +246,7 @@ class FsdpUnit:
 
         d = self.group.size
         launched = []
+        self.held_bytes = self.bytes
         for dtype, entries, total in self.buckets:
             flat = ops.cat([self.params[i].reshape(-1) for i, _, _ in entries]) \
                 if len(entries) > 1 else self.params[entries[0][0]].reshape(-1).contiguous()
@@ -239,7 +255,7 @@ class FsdpUnit:
             handle = md.all_gather(parts, flat, group=self.group.group_name, async_op=async_op)
             launched.append((handle if async_op else None, parts, flat))
         self.live += 1
-        _Bytes.alive += self.bytes
+        _Bytes.alive += self.held_bytes
         _Bytes.peak = max(_Bytes.peak, _Bytes.alive)
         return launched
 
@@ -269,7 +285,7 @@ class FsdpUnit:
     def free(self):
         if self.live > 0:
             self.live -= 1
-            _Bytes.alive -= self.bytes
+            _Bytes.alive -= self.held_bytes
 
     def split(self, launched):
         """The full tensors (padding cut, local shapes) of every parameter, in order.
@@ -315,12 +331,13 @@ class FsdpUnit:
                     g = ops.cat((g, ops.zeros((info.pad,) + rest, mstype.float32)), 0)
                 cols.append(g.reshape(d, n))
             buf = ops.cat(cols, 1) if len(cols) > 1 else cols[0]
-            flat = (k.reduce_scatter(buf) * (1.0 / d)).reshape(-1)
+            flat = k.reduce_scatter(buf).reshape(-1)
             for i, off, n in entries:
                 shape = tuple(self.params[i].fsdp.shard_shape)
-                # A contiguous tensor of its own (a view gradient breaks PyNative's
-                # accumulation, see mappings._fresh).
-                grads[i] = ops.cast(flat[off:off + n].reshape(shape), dtype).contiguous()
+                # The mean's scaling per parameter makes each gradient a tensor of its own,
+                # not a view of the flat buffer (a view gradient breaks PyNative's
+                # accumulation and CPU's copy_, see mappings._fresh).
+                grads[i] = ops.cast(flat[off:off + n].reshape(shape) * (1.0 / d), dtype)
         return grads
 
     # ------------------------------------------------------------------ forward / backward
