@@ -9,10 +9,14 @@ One 4-rank msrun launch; this file is also the check module the workers import
 
 (a) dispatch + combine of the ``alltoall`` dispatcher at ep4 (PyNative, dropless, 8 experts,
     top-2, 2048 tokens of H 1024 per rank: 16 MiB of real (token, expert) rows, experts
-    replaced by the identity; the layer's own routing, slot sizing and combine) against two
-    bare all-to-alls of the same real bytes (a (tokens * topk, H) buffer). The dispatcher's
-    buffer is ``imbalance`` times that (the slot is the busiest expert's count). Median over
-    ``--iters`` after one warm-up, slowest rank.
+    replaced by the identity; the layer's own routing, count exchange, sorting, regrouping
+    and combine: ``MoELayer._route_and_run``) against two bare all-to-alls of the same real
+    bytes (a (tokens * topk, H) buffer through ``moe.comm.all_to_all_experts``: on CPU the
+    same composed all-to-all, an all-gather, that the dispatcher's uneven
+    ``moe.comm.all_to_all_v`` runs on). The dispatcher's buffer is ``imbalance`` times the
+    real bytes (1 on CPU, where the uneven all-to-all needs no padding). Median over
+    ``--iters`` after one warm-up, slowest rank; the bare pair and the dispatcher alternate
+    within each iteration so both see the same load.
 (b) a MoE layer (8 experts, H 256, F 512, top-2, 1024 tokens per rank) at ep4 against the
     same layer on one rank (ep1, each rank alone): forward + backward step time (median,
     slowest rank), bytes of Parameters each rank holds and bytes its all-to-alls move, each
@@ -52,16 +56,18 @@ def _init(ep: int):
     return manager
 
 
-def _timed(fn, iters):
+def _timed(fn, iters, all_runs=False):
+    """Median seconds of ``fn`` (outputs read back) over ``iters`` after one warm-up, or
+    with ``all_runs`` the list of every run's seconds (the warm-up included)."""
     times = []
     for i in range(iters + 1):
         t0 = time.perf_counter()
         out = fn()
         for o in (out if isinstance(out, (tuple, list)) else (out,)):
             o.asnumpy()
-        if i:
+        if i or all_runs:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times if all_runs else statistics.median(times)
 
 
 @check("bench.moe_dispatch")
@@ -95,11 +101,15 @@ def moe_dispatch(ctx, iters: int = 5, experts: int = 8, hidden: int = 1024, toke
     def bare():
         return all_to_all_experts(all_to_all_experts(buf, ep), ep)
 
-    t_bare = _timed(bare, iters)
-    t_disp = _timed(dispatch_combine, iters)
+    t_bare, t_disp = [], []
+    for _ in range(iters + 1):
+        t_bare.append(_timed(bare, 0, all_runs=True)[0])
+        t_disp.append(_timed(dispatch_combine, 0, all_runs=True)[0])
+    t_bare, t_disp = statistics.median(t_bare[1:]), statistics.median(t_disp[1:])
     rec = layer.last_dispatch
     return {"check": "bench.moe_dispatch", "passed": True, "bytes": real,
             "buffer_bytes": rec["rows"] * hidden * 4, "imbalance": rec["imbalance"],
+            "expert_rows": rec.get("expert_rows", rec["rows"] // layer.ep),
             "bare_s": t_bare, "dispatch_combine_s": t_disp, "ratio": t_disp / t_bare}
 
 
@@ -134,18 +144,23 @@ def moe_layer(ctx, iters: int = 5, experts: int = 8, hidden: int = 256, ffn: int
         held = sum(int(np.prod(p.shape)) * 4 for p in layer.get_parameters())
         expert_bytes = sum(int(np.prod(p.shape)) * 4 for p in params if getattr(p, "expert_parallel", False))
         rec = dict(layer.last_dispatch)
+        # The experts' rows (each local expert padded to the busiest) over the mean.
+        expert_imbalance = rec.get("expert_rows", rec["rows"] // ep) / (tokens * cfg.topk)
+        rec["expert_imbalance"] = expert_imbalance
         records.append({"check": "bench.moe_layer", "passed": True, "ep": ep, "step_s": step,
                         "bytes_held": held, "expert_bytes": expert_bytes, "dispatch": rec,
-                        **_priced(cfg, tokens, ep, rec["imbalance"])})
+                        **_priced(cfg, tokens, ep, rec["imbalance"], expert_imbalance)})
         manager.destroy_parallel()
     return records
 
 
-def _priced(cfg, tokens: int, ep: int, imbalance: float) -> dict:
+def _priced(cfg, tokens: int, ep: int, imbalance: float, expert_imbalance: float) -> dict:
     """The cost model's figures for one MoE layer (no attention) at ``ep`` on the ``cpu`` preset:
     Parameter bytes per rank (its expert shapes + the router), bytes the four ep all-to-alls
-    send per step (``moe_rows``) and the step: 3x the forward FLOPs of the router and the
-    experts (at ``imbalance``) over the preset's FLOP/s, plus the ep rows' alpha-beta time."""
+    send per step (``moe_rows`` at the dispatch's ``imbalance``) and the step: 3x the forward
+    FLOPs of the router and the experts (at ``expert_imbalance``, the busiest expert's rows)
+    over the preset's FLOP/s, plus the ep rows' alpha-beta time."""
+
     from math import prod
 
     from mindscience.distributed.costmodel.comm import moe_rows
@@ -163,7 +178,8 @@ def _priced(cfg, tokens: int, ep: int, imbalance: float) -> dict:
     rows = moe_rows(model, training, 1, 1, ep, 1, passes=1, again=0)
     # The MoE FFN alone: the MoE layer's linear FLOPs minus the dense layer's, plus its MLP.
     h = cfg.hidden_size
-    ffn = (moe_layer_forward_flops(model, tokens, tokens, training.moe_imbalance)["linear"]
+    busy = max(expert_imbalance, 1.0)
+    ffn = (moe_layer_forward_flops(model, tokens, tokens, busy)["linear"]
            - layer_forward_flops(model, tokens, tokens)["linear"]
            + 2 * tokens * h * (mlp_fc1_width(model) + model.ffn_hidden_size))
     compute = 3 * ffn / cluster.effective_flops
@@ -199,26 +215,28 @@ def main(argv=None) -> int:
     print()
     print(f"(a) ep4, {d[0]['bytes'] / 2**20:.0f} MiB of real rows per rank (slowest rank, median of {args.iters})")
     print("| dispatch + combine s | 2 bare all-to-alls of the real bytes s | ratio | dispatch buffer MiB (max rank) "
-          "| imbalance (max rank) |")
-    print("|---|---|---|---|---|")
+          "| imbalance (max rank) | expert rows (max rank) |")
+    print("|---|---|---|---|---|---|")
     disp, bare = _slowest(d, "dispatch_combine_s"), _slowest(d, "bare_s")
     print(f"| {disp:.3f} | {bare:.3f} | {disp / bare:.2f}x | {_slowest(d, 'buffer_bytes') / 2**20:.2f} "
-          f"| {_slowest(d, 'imbalance'):.3f} |")
+          f"| {_slowest(d, 'imbalance'):.3f} | {_slowest(d, 'expert_rows')} |")
     lay = [r for r in recs if r["check"] == "bench.moe_layer"]
     print()
     print("(b) MoE layer (8 experts, H 256, F 512, top-2, 1024 tokens/rank), forward+backward, cost model "
           "with the cpu preset at the measured imbalance (max over ranks)")
     print("| ep | step s (slowest rank) | predicted s | measured / predicted | Parameter bytes per rank | "
-          "priced | all-to-all bytes per rank and step | priced | imbalance |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "priced | all-to-all bytes per rank and step | priced | dispatch imbalance | expert imbalance |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for ep in (1, 4):
         sel = [r for r in lay if r["ep"] == ep]
-        busy = max(sel, key=lambda r: r["dispatch"]["imbalance"])
+        busy = max(sel, key=lambda r: (r["dispatch"]["expert_imbalance"], r["dispatch"]["imbalance"]))
         step = _slowest(sel, "step_s")
         moved = max(r["dispatch"]["step_all_to_all_bytes"] for r in sel)
+        priced_moved = max(r["priced_moved"] for r in sel)
         print(f"| {ep} | {step:.3f} | {busy['priced_step_s']:.3f} | {step / busy['priced_step_s']:.2f} | "
               f"{max(r['bytes_held'] for r in sel):,} | {busy['priced_bytes_held']:,} | {moved:,} | "
-              f"{busy['priced_moved']:,} | {busy['dispatch']['imbalance']:.3f} |")
+              f"{priced_moved:,} | {max(r['dispatch']['imbalance'] for r in sel):.3f} | "
+              f"{busy['dispatch']['expert_imbalance']:.3f} |")
     return 0
 
 

@@ -9,7 +9,9 @@ all_to_all_experts     even all-to-all of dim 0 (chunk  the same all-to-all (it 
                        chunks stacked in group-rank
                        order)
 all_to_all_v           uneven all-to-all of dim 0        the all-to-all of the transposed
-                       (``split_sizes[i][j]`` rows i->j) size matrix
+                       (``split_sizes[i][j]`` rows i->j; size matrix
+                       composed CPU backend, PyNative:
+                       an all-gather, no chunk padding)
 reduce_for_loss        all-reduce (sum)                 all-reduce (sum) x ``grad_scale``
 =====================  ===============================  ==================================
 
@@ -26,9 +28,10 @@ from __future__ import annotations
 from mindspore import nn, ops
 
 from .. import collectives as C
+from ..collectives import compiling
 from ..mappings import _cell  # the mappings' cache of Cells per (class, group, params, mode)
 
-__all__ = ["all_to_all_experts", "all_to_all_v", "reduce_for_loss"]
+__all__ = ["all_to_all_experts", "all_to_all_v", "all_to_all_v_rows", "reduce_for_loss"]
 
 
 class _Comm(nn.Cell):
@@ -84,19 +87,73 @@ def all_to_all_experts(x, group):
     return _cell(_AllToAll0, g, 1.0)(x)
 
 
+class _GatheredAllToAllV(nn.Cell):
+    """The composed CPU backend in PyNative: its all-to-all is an all-gather, so an uneven
+    one needs no per-chunk padding. Every rank gathers the others' whole buffers (each
+    padded only to the largest buffer of the group: no padding when every rank sends as
+    many rows) and keeps the rows bound for it. Built per call (the size matrix changes
+    with every routing), so the backward reads the matrix of its own forward."""
+
+    def __init__(self, k, rows, rank):
+        super().__init__()
+        self.k = k
+        self.rows = rows
+        self.cols = tuple(tuple(r[j] for r in rows) for j in range(len(rows)))
+        self.rank = rank
+
+    def exchange(self, x, rows):
+        me = self.rank
+        total = max(max(sum(r) for r in rows), 1)
+        parts = self.k._gather_parts(self.k._pad_rows(x, total))
+        kept = [self.k._rows(parts[i], sum(rows[i][:me]), rows[i][me])
+                for i in range(len(rows)) if rows[i][me]]
+        if not kept:
+            return ops.depend(ops.zeros((0,) + tuple(x.shape[1:]), x.dtype), parts[0])
+        return kept[0] if len(kept) == 1 else ops.cat(kept, 0)
+
+    def construct(self, x):
+        return self.exchange(x, self.rows)
+
+    def bprop(self, x, out, dout):
+        return (self.exchange(ops.depend(dout, out), self.cols),)
+
+
+def _gathered() -> bool:
+    """True where :func:`all_to_all_v` runs as an all-gather (composed backend, PyNative)."""
+    return not compiling() and C.is_composed("all_to_all")
+
+
 def all_to_all_v(x, group, split_sizes):
     """Differentiable :func:`mindscience.distributed.collectives.all_to_all_v` (the
     gradient goes back by the transposed size matrix). The sizes are Python ints (known
-    when the graph is built). The MoE layer uses equal slots instead (sized from the real
-    per-expert counts in PyNative, static when compiled: :mod:`.layer`)."""
+    when the graph is built).
+
+    On the composed CPU backend in PyNative the exchange is an all-gather of each rank's
+    buffer, padded only to the largest buffer (:func:`all_to_all_v_rows`), not each chunk
+    to the largest chunk. The MoE layer's PyNative dropless dispatch uses it
+    (:mod:`.layer`)."""
     g = C.resolve_group(group)
     rows = C.check_split_matrix("all_to_all_v", x, g, split_sizes)
     if g.size == 1:
         return x
+    if _gathered():
+        return _GatheredAllToAllV(C.kernels(g, False), rows, g.rank)(x)
     m = max(max(max(r) for r in rows), 1)
     send = rows[g.rank]
     recv = tuple(rows[i][g.rank] for i in range(g.size))
     return _cell(_AllToAllV, g, (send, recv, m))(x)
+
+
+def all_to_all_v_rows(group, split_sizes) -> int:
+    """Rows of the buffer each rank hands to :func:`all_to_all_v` for this size matrix:
+    the largest row sum where it is gathered (composed backend, PyNative), else G chunks
+    of the largest entry (every chunk padded to it). 0 on a size-1 group."""
+    g = C.resolve_group(group)
+    if g.size == 1:
+        return 0
+    if _gathered():
+        return max(max(sum(r) for r in split_sizes), 1)
+    return g.size * max(max(max(r) for r in split_sizes), 1)
 
 
 def reduce_for_loss(x, group, grad_scale: float = 1.0):
