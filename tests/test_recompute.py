@@ -35,12 +35,16 @@ def test_gpipe_runs_what_is_asked_in_pynative(pp):
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
 @pytest.mark.parametrize("asked", ["none", "selective"])
-def test_jit_with_tp_or_cp_recomputes(schedule, v, asked):
-    what, reason = R.runtime_recompute(schedule, "jit", asked, 2, v, model_parallel=2)
-    assert what == "full"
-    assert "mode='jit'" in reason and repr(asked) in reason and "mode='pynative'" in reason
-    # no collective in the stage: the compiled forwards are kept
-    assert R.runtime_recompute(schedule, "jit", asked, 2, v)[0] == asked
+def test_jit_keeps_with_and_without_collectives(schedule, v, asked):
+    # Compiled stages with tp / cp collectives keep their forwards too (the mappings copy
+    # their output out of the shared bprop cells; recompute.pipeline at tp2 x pp2 jit
+    # compares the kept pipeline with the dense model).
+    for model_parallel in (1, 2, 8):
+        what, reason = R.runtime_recompute(schedule, "jit", asked, 2, v,
+                                           model_parallel=model_parallel)
+        assert what == asked
+        assert schedule in reason and "keeps" in reason and "mode='jit'" in reason
+    assert R.runtime_recompute(schedule, "jit", "full", 2, v, model_parallel=2)[0] == "full"
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
@@ -307,9 +311,8 @@ def test_pipeline_kept_activations_equal_recomputed(job):
             assert r["rel_error"] <= 1e-5, r
             # 2 MLPs x (fc1, fc2) x (weight, bias) per chunk
             assert r["grads"] == 8 * (2 if schedule == "interleaved" else 1), r
-            # Compiled stages with tp collectives recompute (runtime_recompute says why).
-            forced = mode == "jit" and layout == "tp2pp2"
-            assert r["what_runs"] == ("full" if forced else recompute), r
+            # Kept in both modes, also compiled with the tp collectives in the stage.
+            assert r["what_runs"] == recompute, r
             if mode == "pynative":
                 runs = 2 if recompute == "full" else 1
                 assert r["forward_calls"] == [4 * (runs if k != r["stages"] - 1 else 1)

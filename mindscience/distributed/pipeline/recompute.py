@@ -19,22 +19,25 @@ last either
 The last model stage computes its loss and gradients in one pass at ``F{j}`` and never
 recomputes. What MindSpore 2.10 allows (measured on CPU, tp2 x pp2 and pp2 x dp2, every
 schedule, against the dense model): kept forwards back-propagate in any order, so 1F1B,
-interleaved and GPipe keep them in their own order, in PyNative at any tp / cp, and under
-jit (a compiled ``construct``) where the stage holds no tp / cp collective. Two things
-needed care: MindSpore's PyNative recompute cell (``Cell.recompute()``) re-runs its newest
+interleaved and GPipe keep them in their own order, in PyNative and under jit (a compiled
+``construct``), with or without tp / cp collectives in the stage. Three things needed
+care: MindSpore's PyNative recompute cell (``Cell.recompute()``) re-runs its newest
 forward in each backward, so the runtime lets each marked cell of a kept stage find its
-own forward (:func:`~.stage_fns.any_order_recompute`); and a kept compiled stage with two
-tensor-parallel blocks gave wrong gradients (2 ranks, even with one micro-batch in flight),
-so ``mode="jit"`` at ``tp * cp > 1`` recomputes. (``mindspore.vjp``, used before, runs its
-pending backwards newest-first only.) :func:`kept_schedule` (GPipe with newest-first
-backwards) is what the runtime ran with ``vjp``; it is kept as a schedule.
+own forward (:func:`~.stage_fns.any_order_recompute`); a kept compiled forward hands every
+consumer of a ``bprop`` Cell that ran more than once in the graph the output of its last
+call (two tensor-parallel blocks sharing the cached mapping cells: the first block's
+weight gradients wrong, also with one micro-batch in flight and without collectives), so
+compiled mappings copy their output outside the shared cell (``mappings._OwnOutput``, the
+ring attention's output likewise); and ``mindspore.vjp``, used before, runs its pending
+backwards newest-first only. :func:`kept_schedule` (GPipe with newest-first backwards) is
+what the runtime ran with ``vjp``; it is kept as a schedule.
 
 Example::
 
     runtime_recompute("1f1b", "pynative", "selective", 4)
     # ("selective", "1f1b keeps each in-flight micro-batch's stage forward from F to B ...")
     runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)
-    # ("full", "mode='jit' with collectives in the stage (tp, cp, ep or fully_shard): ...")
+    # ("none", "1f1b keeps each in-flight micro-batch's stage forward from F to B ...")
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
             model stages in all.
         model_parallel: Ranks a stage's forward exchanges data with (``tp * cp * ep *
             etp``; the runtime counts ``fully_shard`` weights as 2): above 1 the stage
-            holds collectives.
+            holds collectives (kept as well, in both modes; validated only).
 
     Returns:
         ``what_runs``: ``"full"`` (every model stage but the last keeps only its input
@@ -98,17 +101,15 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         * ``recompute="full"``: ``"full"``;
         * one model stage (``pp * virtual_stages == 1``): the request, ``"full"`` read
             as ``"none"`` (loss and gradients in one pass, nothing recomputed);
-        * ``"none"``/``"selective"`` in PyNative, and under jit with
-            ``model_parallel == 1``: the request (every schedule keeps its forwards and
-            back-propagates them in its own order);
-        * ``"none"``/``"selective"`` under jit with ``model_parallel > 1``: ``"full"``
-            (forced, measured, see the module docstring).
+        * ``"none"``/``"selective"``, PyNative or jit, any ``model_parallel``: the
+            request (every schedule keeps its forwards and back-propagates them in its
+            own order; see the module docstring for what was measured).
 
     Raises:
         RecomputeError: an unknown value, or a size < 1.
 
     Example: ``runtime_recompute("1f1b", "pynative", "selective", 8)[0] == "selective"``;
-    ``runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)[0] == "full"``.
+    ``runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)[0] == "none"``.
     """
     _check(schedule, mode, recompute, pp, virtual_stages)
     if isinstance(model_parallel, bool) or not isinstance(model_parallel, numbers.Integral) \
@@ -125,14 +126,6 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
     if recompute == "full":
         return "full", ("recompute='full': every model stage but the last keeps its input only "
                         "and recomputes its forward in the backward.")
-    if mode == "jit" and model_parallel > 1:
-        return "full", ("mode='jit' with collectives in the stage (tp, cp, ep or fully_shard): "
-                        "a kept compiled stage "
-                        "forward gives wrong gradients once the stage holds two tensor-parallel "
-                        "blocks (MindSpore 2.10 CPU, measured even with one micro-batch in "
-                        "flight), so every model stage but the last recomputes its forward: "
-                        f"recompute={recompute!r} is run as 'full'; use mode='pynative' to keep "
-                        "activations.")
     return recompute, (f"{schedule} keeps each in-flight micro-batch's stage forward from F to "
                        f"B (mode={mode!r}; the backwards in the schedule's own order, no forward "
                        f"run again); recompute={recompute!r} runs as asked.")

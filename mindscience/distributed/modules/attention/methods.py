@@ -118,14 +118,23 @@ class _AllGatherKV(nn.Cell):
 
 
 class _RingOutput(nn.Cell):
-    """The ring's output without its log-sum-exp."""
+    """The ring's output without its log-sum-exp.
+
+    Compiled, the output is copied here, outside the ring's ``bprop`` cell, which the
+    layers of one configuration share: see ``mappings._OwnOutput`` (a kept compiled
+    pipeline stage otherwise gives every consumer the last call's output).
+    """
 
     def __init__(self, *args):
         super().__init__()
         self.ring = RingAttention(*args)
+        self.own_output = bool(args[-1])  # compiled
 
     def construct(self, q, k, v):
-        return self.ring(q, k, v)[0]
+        out = self.ring(q, k, v)[0]
+        if self.own_output:
+            return ops.deepcopy(out)
+        return out
 
 
 _CELLS: dict = {}
