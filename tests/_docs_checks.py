@@ -286,7 +286,7 @@ AFTER = {
     "pipeline-recompute": lambda ns: {"what_ran": ns["last_recompute"]()[0],
                                       "would_run": ns["runtime_recompute"]("1f1b", "pynative", "full", pp=1)[0]},
     "pipeline-runtime": lambda ns: {"loss_finite": _finite(ns["loss"])},
-    "recompute-rules": lambda ns: {"kept": ns["kept"], "forced": ns["forced"]},
+    "recompute-rules": lambda ns: {"kept": ns["kept"], "kept_jit": ns["kept_jit"]},
     "checkpoint": lambda ns: {"loaded_step": ns["info"]["step"]},  # "step" is the harness's
     "gpt": lambda ns: {"loss_finite": _finite(ns["loss"])},
 }

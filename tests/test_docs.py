@@ -91,7 +91,7 @@ def test_snippets_keep_what_their_comments_say(snippet_job):
     for r in by_setup["pipeline-recompute"]:
         assert (r["what_ran"], r["would_run"]) == ("none", "none")
     for r in by_setup["recompute-rules"]:
-        assert (r["kept"], r["forced"]) == ("selective", "full")
+        assert (r["kept"], r["kept_jit"]) == ("selective", "none")
     for r in by_setup["checkpoint"]:
         assert r["loaded_step"] == 100
     for name in ("pipeline-runtime", "gpt", "finalizer-net"):  # finalizer-net: its jit train_step, called

@@ -221,9 +221,8 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
             micro-batch in flight and recomputes its forward in the backward. ``"none"`` /
             ``"selective"``: keep the stage forwards until their backwards (no second
             forward; the cells the model marks with ``recompute`` still recompute inside),
-            every schedule, in PyNative, and under jit where the stage spans one tp / cp
-            rank (with tp, cp, ep or fully_shard ``mode="jit"`` runs ``"full"``, a ``UserWarning`` once
-            per configuration says so); see :func:`~.recompute.runtime_recompute` and
+            every schedule, in PyNative and under jit, also with tp / cp collectives in
+            the stage; see :func:`~.recompute.runtime_recompute` and
             :func:`last_recompute`.
         on_chunk_done: Called as ``on_chunk_done(c, params, grads)`` right after chunk
             ``c``'s last backward, when its gradients (``grads``, summed over the

@@ -150,8 +150,12 @@ class _Chunk:
         """``(dx, acc)`` from a kept forward: as :meth:`backward`, without recomputing.
 
         Kept forwards may be back-propagated in any order, each once (measured on MindSpore
-        2.10 CPU, also with a tensor-parallel all-reduce inside and under jit; see
-        :mod:`.recompute`).
+        2.10 CPU, also with tensor-parallel all-reduces inside and under jit; see
+        :mod:`.recompute`). Under jit a ``bprop`` Cell called more than once in the kept
+        graph would hand every consumer its last call's output: the compiled mappings copy
+        their output out of their shared cells for this (``mappings._OwnOutput``); a user's
+        own ``bprop`` Cell used twice in a stage needs the same (``ops.deepcopy`` of its
+        output, in the caller).
         """
         if pending is None:
             return None, acc
