@@ -49,6 +49,7 @@ from __future__ import annotations
 import numbers
 
 from mindspore import nn, ops
+from mindspore.common import dtype as mstype
 
 from . import collectives as C
 from .collectives import GroupLike, compiling
@@ -302,15 +303,20 @@ class _OwnOutput(nn.Cell):
     identity cell, the first block's weight gradient wrong, its input gradient right). A
     copy made outside the shared cell, in this bprop-less wrapper, is saved per call
     (measured exact, also tp2 with the real mappings); the copy costs one activation
-    copy per mapping in compiled code.
+    copy per mapping in compiled code (bfloat16 through float32: no bfloat16 copy kernel
+    in CPU graphs).
     """
 
     def __init__(self, inner):
         super().__init__()
         self.inner = inner
 
-    def construct(self, *args):
-        return ops.deepcopy(self.inner(*args))
+    def construct(self, x):
+        out = self.inner(x)
+        if out.dtype == mstype.bfloat16:
+            # No bfloat16 copy kernel in CPU graphs; the float32 round trip is exact.
+            return ops.cast(ops.deepcopy(ops.cast(out, mstype.float32)), mstype.bfloat16)
+        return ops.deepcopy(out)
 
 
 def _cell(cls, g, params):

@@ -132,9 +132,11 @@ class _RingOutput(nn.Cell):
 
     def construct(self, q, k, v):
         out = self.ring(q, k, v)[0]
-        if self.own_output:
-            return ops.deepcopy(out)
-        return out
+        if not self.own_output:
+            return out
+        if out.dtype == ms.bfloat16:  # no bfloat16 copy kernel in CPU graphs
+            return ops.cast(ops.deepcopy(ops.cast(out, ms.float32)), ms.bfloat16)
+        return ops.deepcopy(out)
 
 
 _CELLS: dict = {}
