@@ -288,9 +288,12 @@ def test_4ranks_training_every_zero_stage_matches_one_rank(job):
 
 @pytest.mark.multiprocess
 def test_4ranks_dropless_dispatch_moves_what_the_cost_model_prices(job):
-    """PyNative dropless: slots of the largest real per-expert count, so each rank's ep
-    all-to-alls (and etp gathers) move the cost model's bytes at the measured imbalance,
-    less than the compiled static slots (E/topk x the rows), which moe_static_slots prices."""
+    """PyNative dropless: the (token, expert) rows sorted by expert through an uneven
+    all-to-all, which on the composed CPU backend (an all-gather) needs no padding: each
+    rank's ep all-to-alls (and etp gathers) move exactly its tokens x topk rows, the cost
+    model's bytes at the measured imbalance 1, less than the compiled static slots (E/topk x
+    the rows), which moe_static_slots prices. The experts' rows, each local expert padded
+    to the busiest for the batched matmul, are above the mean on the skewed router's rank."""
     records = job_mod.records_of(job, "moe.bytes")
     assert len(records) == 8
     assert {r["layout"] for r in records} == {"tp1-cp1-dp4-ep4-etp1", "tp2-cp1-dp2-ep2-etp2"}
@@ -300,12 +303,16 @@ def test_4ranks_dropless_dispatch_moves_what_the_cost_model_prices(job):
         assert rec["step_all_to_all_bytes"] == r["priced_all_to_all_bytes"] > 0, r
         assert 2 * rec["etp_bytes"] == r["priced_etp_all_gather_bytes"], r
         assert 4 * rec["static_all_to_all_bytes"] == r["priced_static_all_to_all_bytes"], r
-        assert 1.0 < rec["imbalance"] < 8 / 2, r  # uneven, and under E/topk = 4
+        assert rec["rows"] == 2 * rec["tokens"] and rec["imbalance"] == 1.0, r  # topk 2, no padding
         assert rec["rows"] == 8 * rec["slot"] and rec["slot"] < rec["tokens"], r
         assert rec["all_to_all_bytes"] < rec["static_all_to_all_bytes"], r
     for layout in {r["layout"] for r in records}:
-        # One slot for the whole exchange: every rank moves the same bytes.
-        assert len({r["record"]["slot"] for r in records if r["layout"] == layout}) == 1
+        sel = [r["record"] for r in records if r["layout"] == layout]
+        # Every rank routes as many tokens: every rank moves the same bytes.
+        assert len({rec["rows"] for rec in sel}) == 1
+        etp = 2 if layout.endswith("etp2") else 1
+        # The favourite expert's rank multiplies more than the mean (etp x rows per ep rank).
+        assert max(rec["expert_rows"] for rec in sel) > etp * sel[0]["rows"], sel
 
 
 @pytest.mark.multiprocess
