@@ -23,6 +23,13 @@ bucket is final, and waited on inside the optimizer step:
   transfers); no finer than a chunk.
 * stage 3: nothing to overlap here: ``fully_shard``'s backward reduce-scatters.
 
+"Launched during the backward" is what these functions report; whether the collective then
+runs concurrently with compute is the backend's: on CPU with synchronous PyNative
+(``pynative_synchronize=True``, how the harness runs ranks) launching the asynchronous
+all-reduce blocks for 87-98 % of its time, so the reduction moves into the backward without
+running beside it; with asynchronous PyNative the launch returns at once (measured,
+``bench/bench_overlap.py``, docs/BENCHMARKS.md). Ascend / GPU: not measured here.
+
 Parameter all-gather (``overlap_param_gather=True``, stages 1-2): not overlapped; the
 updated weights are all-gathered at the end of the step, as without the option.
 
