@@ -102,9 +102,31 @@ class _Packed:
 
 
 _SAVED: dict = {}  # data_ptr -> (unit, index, shape, dtype) of live gathered weights
+_SAVED_KINDS: dict = {}  # (shape, dtype) -> how many of them
+
+
+def _register(unit, full):
+    for j, t in enumerate(full):
+        kind = (tuple(t.shape), t.dtype)
+        _SAVED[t.data_ptr()] = (unit, j) + kind
+        _SAVED_KINDS[kind] = _SAVED_KINDS.get(kind, 0) + 1
+
+
+def _unregister(full):
+    for t in full:
+        entry = _SAVED.pop(t.data_ptr(), None)
+        if entry is not None:
+            kind = entry[2:]
+            _SAVED_KINDS[kind] -= 1
+            if not _SAVED_KINDS[kind]:
+                del _SAVED_KINDS[kind]
 
 
 def _pack(t):
+    # The shape first: data_ptr() waits for the tensor's producer (PyNative runs ops
+    # asynchronously), so only a possible weight pays for it.
+    if (tuple(t.shape), t.dtype) not in _SAVED_KINDS:
+        return t
     entry = _SAVED.get(t.data_ptr())
     if entry is not None and tuple(t.shape) == entry[2] and t.dtype == entry[3] and t.is_contiguous():
         return _Packed(entry[0], entry[1])
@@ -363,8 +385,7 @@ class FsdpUnit:
             self.kept = recording and not self.reshard
             self.full = self._gather_forward(self.kept)
             if self.reshard and recording:
-                for j, t in enumerate(self.full):
-                    _SAVED[t.data_ptr()] = (self, j, tuple(t.shape), t.dtype)
+                _register(self, self.full)
             return self.full[i]
         # Read outside the unit's own call (a tied weight read by another cell): gathered
         # once per outermost call and kept for the backward.
@@ -451,8 +472,7 @@ def call_unit(unit, call, args, kwargs):
     finally:
         unit.active -= 1
         if unit.full is not None:
-            for t in unit.full:
-                _SAVED.pop(t.data_ptr(), None)
+            _unregister(unit.full)
             if not unit.kept:
                 unit.free()
         unit.full = None
