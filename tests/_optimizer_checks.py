@@ -578,7 +578,7 @@ def overlap(ctx: CheckContext, tp=1, pp=1, stages=(0, 1, 2), steps=2, bucket_siz
                                        overlap_grad_reduce=flag)
             modes = opt.grad_reduce_overlap("pynative", pp)
             vg = ms.value_and_grad(run.net, None, run.params)
-            count = 0
+            count = waited = 0
             for ids, tgt in _batches(steps):
                 if pp > 1:
                     m = run.microbatches
@@ -598,12 +598,15 @@ def overlap(ctx: CheckContext, tp=1, pp=1, stages=(0, 1, 2), steps=2, bucket_siz
                     grads = tuple(a + g for a, g in zip(acc, last))
                 opt(grads)
                 count += len(opt.overlap_timeline())
+                # the step took the launched results (it waited on each handle)
+                waited += sum("done_s" in row for row in opt.overlap_timeline())
             weights[flag] = [p.asnumpy() for p in run.params]
-            launched[flag] = count
+            launched[flag] = (count, waited)
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights[False], weights[True]))
         same = all(np.array_equal(a, b) for a, b in zip(weights[False], weights[True]))
         rows.append({"stage": stage, "bitwise_equal": bool(same), "max_abs_diff": diff,
-                     "launched": launched[True], "launched_without": launched[False],
+                     "launched": launched[True][0], "waited": launched[True][1],
+                     "launched_without": launched[False][0],
                      "overlapped": modes[0], "buckets": len(opt.buckets)})
     rec = {"check": "optimizer.overlap", "group": layout_label(manager.get_layout()),
            "tp": tp, "pp": pp, "rows": rows}

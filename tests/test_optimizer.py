@@ -431,6 +431,7 @@ def test_4ranks_overlapped_grad_reduce_equals_the_plain_step_bit_for_bit(job):
         for row in r["rows"]:
             assert row["bitwise_equal"] and row["max_abs_diff"] == 0.0, (r["group"], row)
             assert row["overlapped"] is True and row["launched"] > 0, (r["group"], row)
+            assert row["waited"] == row["launched"], (r["group"], row)  # the step used them
             assert row["launched_without"] == 0
         assert r["passed"], r
         if r["tp"] == 1 and r["pp"] == 1:
