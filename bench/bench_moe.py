@@ -16,7 +16,8 @@ One 4-rank msrun launch; this file is also the check module the workers import
     ``moe.comm.all_to_all_v`` runs on). The dispatcher's buffer is ``imbalance`` times the
     real bytes (1 on CPU, where the uneven all-to-all needs no padding). Median over
     ``--iters`` after one warm-up, slowest rank; the bare pair and the dispatcher alternate
-    within each iteration so both see the same load.
+    within each iteration so both see the same load. Also timed: the same dispatch + combine
+    without the router (``MoELayer._sorted_alltoall`` on one routing made beforehand).
 (b) a MoE layer (8 experts, H 256, F 512, top-2, 1024 tokens per rank) at ep4 against the
     same layer on one rank (ep1, each rank alone): forward + backward step time (median,
     slowest rank), bytes of Parameters each rank holds and bytes its all-to-alls move, each
@@ -101,16 +102,24 @@ def moe_dispatch(ctx, iters: int = 5, experts: int = 8, hidden: int = 1024, toke
     def bare():
         return all_to_all_experts(all_to_all_experts(buf, ep), ep)
 
-    t_bare, t_disp = [], []
+    # The same dispatch + combine without the router (routed once, outside the timing).
+    indices, weights, _, _ = layer.router(x, 1)
+
+    def unrouted():
+        return layer._sorted_alltoall(x, indices, weights)
+
+    t_bare, t_disp, t_unrouted = [], [], []
     for _ in range(iters + 1):
         t_bare.append(_timed(bare, 0, all_runs=True)[0])
         t_disp.append(_timed(dispatch_combine, 0, all_runs=True)[0])
-    t_bare, t_disp = statistics.median(t_bare[1:]), statistics.median(t_disp[1:])
+        t_unrouted.append(_timed(unrouted, 0, all_runs=True)[0])
+    t_bare, t_disp, t_unrouted = (statistics.median(t[1:]) for t in (t_bare, t_disp, t_unrouted))
     rec = layer.last_dispatch
     return {"check": "bench.moe_dispatch", "passed": True, "bytes": real,
             "buffer_bytes": rec["rows"] * hidden * 4, "imbalance": rec["imbalance"],
             "expert_rows": rec.get("expert_rows", rec["rows"] // layer.ep),
-            "bare_s": t_bare, "dispatch_combine_s": t_disp, "ratio": t_disp / t_bare}
+            "bare_s": t_bare, "dispatch_combine_s": t_disp, "unrouted_s": t_unrouted,
+            "ratio": t_disp / t_bare}
 
 
 @check("bench.moe_layer")
@@ -214,12 +223,12 @@ def main(argv=None) -> int:
     d = [r for r in recs if r["check"] == "bench.moe_dispatch"]
     print()
     print(f"(a) ep4, {d[0]['bytes'] / 2**20:.0f} MiB of real rows per rank (slowest rank, median of {args.iters})")
-    print("| dispatch + combine s | 2 bare all-to-alls of the real bytes s | ratio | dispatch buffer MiB (max rank) "
-          "| imbalance (max rank) | expert rows (max rank) |")
-    print("|---|---|---|---|---|---|")
-    disp, bare = _slowest(d, "dispatch_combine_s"), _slowest(d, "bare_s")
-    print(f"| {disp:.3f} | {bare:.3f} | {disp / bare:.2f}x | {_slowest(d, 'buffer_bytes') / 2**20:.2f} "
-          f"| {_slowest(d, 'imbalance'):.3f} | {_slowest(d, 'expert_rows')} |")
+    print("| dispatch + combine s | 2 bare all-to-alls of the real bytes s | ratio | without the router s | ratio "
+          "| dispatch buffer MiB (max rank) | imbalance (max rank) | expert rows (max rank) |")
+    print("|---|---|---|---|---|---|---|---|")
+    disp, bare, unrouted = (_slowest(d, k) for k in ("dispatch_combine_s", "bare_s", "unrouted_s"))
+    print(f"| {disp:.3f} | {bare:.3f} | {disp / bare:.2f}x | {unrouted:.3f} | {unrouted / bare:.2f}x "
+          f"| {_slowest(d, 'buffer_bytes') / 2**20:.2f} | {_slowest(d, 'imbalance'):.3f} | {_slowest(d, 'expert_rows')} |")
     lay = [r for r in recs if r["check"] == "bench.moe_layer"]
     print()
     print("(b) MoE layer (8 experts, H 256, F 512, top-2, 1024 tokens/rank), forward+backward, cost model "
