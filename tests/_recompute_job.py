@@ -33,7 +33,7 @@ SPEC = {
                                                 "methods": ["allgather_kv"]}},
         {"name": "recompute.rng", "params": {"layout": _TP2_CP2}},
         # Every schedule x mode x recompute against the dense model, the stage forwards
-        # counted: tp2 x pp2 (jit recomputes there, runtime_recompute says why) and pp2 x dp2
+        # counted: tp2 x pp2 (kept in jit too, the tp collectives in the stage) and pp2 x dp2
         {"name": "recompute.pipeline", "params": {"layout": _TP2_PP2, "tag": "tp2pp2"}},
         {"name": "recompute.pipeline", "params": {"layout": _PP2_DP2, "tag": "pp2dp2"}},
     ],
