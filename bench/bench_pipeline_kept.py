@@ -28,10 +28,11 @@ def main(argv=None) -> int:
     parser.add_argument("-m", "--microbatches", type=int, default=8)
     parser.add_argument("--mode", default="pynative", choices=("pynative", "jit"))
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tp", type=int, default=1, help="tp x pp (x dp) on the 4 ranks")
     args = parser.parse_args(argv)
     world = 4
     checks = [{"name": "bench.pipeline_kept", "params": {
-        "layout": {"tp": 1, "pp": int(p)}, "microbatches": args.microbatches, "mode": args.mode,
+        "layout": {"tp": args.tp, "pp": int(p)}, "microbatches": args.microbatches, "mode": args.mode,
         "steps": args.steps}} for p in args.pp.split(",")]
     spec = {"layout": {"world_size": world}, "modules": ["pipeline_kept_bench_checks"],
             "checks": checks}
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
         kept = max(r["kept_s"] for r in mine)
         full = max(r["full_s"] for r in mine)
         same = all(r["passed"] for r in mine)
-        name = f"pp{p} x dp{world // p}" if world // p > 1 else f"pp{p}"
+        dp = world // (p * args.tp)
+        name = (f"tp{args.tp} x " if args.tp > 1 else "") + (f"pp{p} x dp{dp}" if dp > 1 else f"pp{p}")
         print(f"| {name} | {kept:.3f} | {full:.3f} | {kept / full:.2f} | {same} |")
     return 0
 

@@ -19,8 +19,10 @@ def _compile_both(model, x0, t0):
     from mindscience.distributed.pipeline.stage_fns import stage_fns
 
     p, stages = model.pp.size, model.pp.size * model.virtual_stages
-    hidden = ops.zeros((int(x0.shape[0]), int(x0.shape[1]), model.config.hidden_size),
-                       model.init.dtype)
+    rows = int(x0.shape[0])
+    if model.init.sequence_parallel:  # tp > 1: each stage hands on its own rows
+        rows //= model.tp.size
+    hidden = ops.zeros((rows, int(x0.shape[1]), model.config.hidden_size), model.init.dtype)
     for c, chunk in enumerate(model.chunks):
         k = c * p + model.pp.rank
         first, last = k == 0, k == stages - 1
