@@ -7,9 +7,10 @@ Run (by hand; a benchmark, not a test):
 One 4-rank msrun launch (the harness worker: PyNative with ``pynative_synchronize=True``
 on CPU, as the test ranks run); this file is also the check module the workers import:
 
-(a) ``bench.overlap_step``: GPTModel (fp32, PyNative, 2 micro-batches) at dp4, ZeRO stage
-    0 and 1, ``GPTModel.forward_backward(..., optimizer=opt)`` + ``opt(grads)``, with and
-    without ``overlap_grad_reduce``, ``--bucket-mb`` MiB buckets. Per step: the time of
+(a) ``bench.overlap_step``: GPTModel (fp32, PyNative, 2 micro-batches) at dp4 (``--world``),
+    ZeRO stage 0 and 1, ``GPTModel.forward_backward(..., optimizer=opt)`` + ``opt(grads)``, with
+    and without ``overlap_grad_reduce`` (two models, their steps interleaved),
+    ``--bucket-mb`` MiB buckets. Per step: the time of
     the forward+backward and of the optimizer call, and for each launched bucket when its
     reduction was launched and when the step's wait on it returned, relative to the end
     of the backward (negative: during the backward). Without overlap every reduction
@@ -41,7 +42,7 @@ for _p in (str(ROOT), str(BENCH)):
 
 from mindscience.distributed.harness.registry import check  # noqa: E402  (pure)
 
-WORLD = 4
+WORLD = 4  # --world changes it (dp = the world)
 
 
 @check("bench.overlap_step")
@@ -64,14 +65,18 @@ def overlap_step(ctx, model: str = "tiny-gpt", steps: int = 6, warmup: int = 2,
     ids = ids.astype(np.int32)
     records = []
     for stage in stages:
-        weights = {}
+        # Both models built first, their steps interleaved (plain, overlapped, plain, ...),
+        # so that the machine's load drifts over both alike.
+        runs = {}
         for flag in (False, True):
             ms.set_seed(0)
             net = GPTModel(config, seed=0)
             opt = DistributedOptimizer(net.trainable_params(), lr=1e-3, zero_stage=stage,
                                        bucket_size_mb=bucket_mb, overlap_grad_reduce=flag)
-            fb_s, opt_s, timelines = [], [], []
-            for i in range(warmup + steps):
+            runs[flag] = (net, opt, {"fb_s": [], "opt_s": [], "timelines": []})
+        for i in range(warmup + steps):
+            for flag in (False, True):
+                net, opt, out = runs[flag]
                 _barrier(_world()[0])
                 t0 = time.perf_counter()
                 loss, grads = net.forward_backward(ids, ids, m, mode="pynative", optimizer=opt)
@@ -79,17 +84,18 @@ def overlap_step(ctx, model: str = "tiny-gpt", steps: int = 6, warmup: int = 2,
                 opt(grads).asnumpy()
                 t2 = time.perf_counter()
                 if i >= warmup:
-                    fb_s.append(t1 - t0)
-                    opt_s.append(t2 - t1)
-                    timelines.append([{"bucket": r["bucket"], "launch": r["launched_s"] - t1,
-                                       "done": r["done_s"] - t1} for r in opt.overlap_timeline()])
-            weights[flag] = [p.asnumpy() for p in net.trainable_params()]
-            records.append({"check": "bench.overlap_step", "group": layout_label(lay),
-                            "stage": stage, "overlap": flag, "buckets": len(opt.buckets),
-                            "fb_s": fb_s, "opt_s": opt_s, "timelines": timelines,
-                            "passed": True, "max_error": 0.0})
+                    out["fb_s"].append(t1 - t0)
+                    out["opt_s"].append(t2 - t1)
+                    out["timelines"].append([{"bucket": r["bucket"], "launch": r["launched_s"] - t1,
+                                              "done": r["done_s"] - t1}
+                                             for r in opt.overlap_timeline()])
+        weights = {f: [p.asnumpy() for p in runs[f][0].trainable_params()] for f in runs}
         same = all(np.array_equal(a, b) for a, b in zip(weights[False], weights[True]))
-        records[-1]["bitwise_equal"] = records[-2]["bitwise_equal"] = bool(same)
+        for flag in (False, True):
+            records.append({"check": "bench.overlap_step", "group": layout_label(lay),
+                            "stage": stage, "overlap": flag, "buckets": len(runs[flag][1].buckets),
+                            **runs[flag][2], "bitwise_equal": bool(same),
+                            "passed": True, "max_error": 0.0})
     return records
 
 
@@ -151,6 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--skip-steps", action="store_true", help="only (b), the concurrency probe")
+    parser.add_argument("--world", type=int, default=WORLD, help="ranks (all data-parallel)")
     args = parser.parse_args(argv)
     command = "python bench/bench_overlap.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     checks = [] if args.skip_steps else [
@@ -159,19 +166,19 @@ def main(argv=None) -> int:
     checks.append({"name": "bench.overlap_concurrency", "params": {"steps": args.steps}})
     spec = {"modules": ["bench_overlap"], "checks": checks}
     load_before = _loadavg()
-    launched = run_bench_launch(spec, WORLD, args.timeout, progress_every_s=60)
+    launched = run_bench_launch(spec, args.world, args.timeout, progress_every_s=60)
     if launched is None:
         return 1
     result, wall, load_after = launched
     recs = [r for st in result.ranks.values() for r in (st or {}).get("records", [])]
     print(f"command: {command}")
     sync = os.environ.get("MSDIST_PYNATIVE_SYNC", "1") != "0"
-    print(f"{WORLD} ranks (dp4), wall {wall:.0f} s, load {load_before} -> {load_after}, "
+    print(f"{args.world} ranks (dp{args.world}), wall {wall:.0f} s, load {load_before} -> {load_after}, "
           f"pynative_synchronize={sync}")
     print()
     step = [r for r in recs if r["check"] == "bench.overlap_step"]
     print(f"(a) {args.model}, fp32, PyNative, 2 micro-batches, {args.bucket_mb} MiB buckets; "
-          f"median of {args.steps} steps, slowest rank")
+          f"median of {args.steps} steps (plain and overlapped steps interleaved), slowest rank")
     print("| stage | overlap | buckets | forward+backward s | optimizer call s | step s | "
           "launched (s after the backward's end, rank 0, median step) | bit for bit |")
     print("|---|---|---|---|---|---|---|---|")
