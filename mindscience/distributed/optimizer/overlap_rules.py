@@ -26,7 +26,7 @@ bucket is final, and waited on inside the optimizer step:
 "Launched during the backward" is what these functions report; whether the collective then
 runs concurrently with compute is the backend's: on CPU with synchronous PyNative
 (``pynative_synchronize=True``, how the harness runs ranks) launching the asynchronous
-all-reduce blocks for 87-98 % of its time, so the reduction moves into the backward without
+all-reduce blocks for about as long as the all-reduce takes (87-104 %), so the reduction moves into the backward without
 running beside it; with asynchronous PyNative the launch returns at once (measured,
 ``bench/bench_overlap.py``, docs/BENCHMARKS.md). Ascend / GPU: not measured here.
 
