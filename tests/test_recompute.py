@@ -47,6 +47,23 @@ def test_jit_keeps_with_and_without_collectives(schedule, v, asked):
     assert R.runtime_recompute(schedule, "jit", "full", 2, v, model_parallel=2)[0] == "full"
 
 
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("asked", ["none", "selective"])
+def test_jit_with_cp_recomputes(schedule, v, asked):
+    # Two ring-attention layers in a kept compiled stage do not compile (measured): jit at
+    # cp > 1 recomputes and says why; PyNative keeps.
+    what, reason = R.runtime_recompute(schedule, "jit", asked, 2, v, model_parallel=4,
+                                       context_parallel=2)
+    assert what == "full"
+    assert "cp=2" in reason and repr(asked) in reason and "mode='pynative'" in reason
+    assert R.runtime_recompute(schedule, "pynative", asked, 2, v, model_parallel=4,
+                               context_parallel=2)[0] == asked
+    # one model stage: nothing to keep across micro-batches, nothing forced
+    assert R.runtime_recompute(schedule, "jit", asked, 1, 1, 4, context_parallel=2)[0] == asked
+    with pytest.raises(R.RecomputeError, match="context_parallel=0 is invalid"):
+        R.runtime_recompute(schedule, "jit", asked, 2, v, context_parallel=0)
+
+
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
 @pytest.mark.parametrize("asked", ["none", "selective"])
 def test_1f1b_and_interleaved_keep_their_forwards(schedule, v, asked):

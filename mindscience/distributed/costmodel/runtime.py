@@ -180,7 +180,8 @@ def fsdp_runtime(mode: str, reshard_after_forward: bool = True, prefetch: bool =
     return dict(FSDP_FALLBACK)
 
 
-def _library_answer(training: TrainingSpec, pp: int, mode: str = PRICED_MODE, model_parallel: int = 1):
+def _library_answer(training: TrainingSpec, pp: int, mode: str = PRICED_MODE, model_parallel: int = 1,
+                    context_parallel: int = 1):
     """``(recompute that runs, reason)`` from ``pipeline.recompute.runtime_recompute``, or None."""
     try:
         module = importlib.import_module("mindscience.distributed.pipeline.recompute")
@@ -193,7 +194,8 @@ def _library_answer(training: TrainingSpec, pp: int, mode: str = PRICED_MODE, mo
     # stage forwards (GPTModel.forward_backward): ask what it asks.
     request = getattr(module, "model_request", lambda r: r)
     try:
-        answer = fn(schedule, mode, request(training.recompute), pp, v, model_parallel)
+        answer = fn(schedule, mode, request(training.recompute), pp, v, model_parallel,
+                    context_parallel=context_parallel)
     except (TypeError, ValueError):  # another signature: fall back to the local description
         return None
     if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], str):
@@ -224,7 +226,7 @@ def _compiled_differs(training: TrainingSpec, tp: int, cp: int, pp: int, stage_r
     if stage_recompute or pp <= 1:
         return False
     parallel = tp * cp * (2 if training.zero_stage == 3 else 1)
-    answer = _library_answer(training, pp, "jit", parallel)
+    answer = _library_answer(training, pp, "jit", parallel, cp)
     if answer is None:  # no rule: the runtime of part 1 forces "full" under jit with collectives
         return parallel > 1
     return answer[0] == "full"
@@ -268,9 +270,9 @@ def what_runs(training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
             training = replace(training, overlap_param_gather=False)
     if _compiled_differs(training, tp, cp, pp, stage_recompute):
         notes.append("compiled mode: the pipeline is priced with kept stage forwards, as PyNative runs "
-                     "them; compiled (ms.jit, msdist train's default) a stage holding collectives (tp, cp, "
-                     "ep, fully_shard) recomputes its forward in the backward instead (one more forward "
-                     "of every stage but the last).")
+                     "them; compiled (ms.jit, msdist train's default) a stage with context parallelism "
+                     "(cp > 1) recomputes its forward in the backward instead (one more forward of every "
+                     "stage but the last).")
     fsdp = {"per_unit": False, "gathers_per_unit": 1, "units_alive": None}
     if z == 3 and d > 1:
         fsdp = fsdp_runtime(PRICED_MODE, training.reshard_after_forward, training.fsdp_prefetch)
@@ -294,7 +296,7 @@ def _what_runs_compiled(training: TrainingSpec, tp: int, cp: int, pp: int, dp: i
     stage_recompute, reason = False, None
     if pp > 1:
         parallel = tp * cp * (2 if z == 3 else 1)
-        answer = _library_answer(training, pp, "jit", parallel)
+        answer = _library_answer(training, pp, "jit", parallel, cp)
         stage_recompute, reason = (answer[0] == "full", answer[1]) if answer is not None else \
             pipeline_recompute(training, pp)
     if stage_recompute:

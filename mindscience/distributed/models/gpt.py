@@ -497,6 +497,7 @@ class GPTModel(nn.Cell):
         cached on the chunks).
         """
         from ..pipeline.recompute import model_request, runtime_recompute
+        from ..pipeline.runtime import _context_parallel
         from ..pipeline.runtime import _model_parallel as _pipeline_model_parallel
         from ..pipeline.stage_fns import stage_fns
 
@@ -507,7 +508,8 @@ class GPTModel(nn.Cell):
         keep = runtime_recompute(
             "interleaved" if self.virtual_stages > 1 else "1f1b", "jit",
             model_request(self.config.recompute), self.pp.size, self.virtual_stages,
-            _pipeline_model_parallel(self.chunks))[0] != "full"
+            _pipeline_model_parallel(self.chunks),
+            context_parallel=_context_parallel())[0] != "full"
         s_cp, b = int(x0.shape[0]), int(x0.shape[1])
         rows = s_cp // self.tp.size if self.init.sequence_parallel else s_cp
         hidden = ops.zeros((rows, b, self.config.hidden_size), self.init.dtype)

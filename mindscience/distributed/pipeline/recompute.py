@@ -19,9 +19,14 @@ last either
 The last model stage computes its loss and gradients in one pass at ``F{j}`` and never
 recomputes. What MindSpore 2.10 allows (measured on CPU, tp2 x pp2 and pp2 x dp2, every
 schedule, against the dense model): kept forwards back-propagate in any order, so 1F1B,
-interleaved and GPipe keep them in their own order, in PyNative and under jit (a compiled
-``construct``), with or without tp / cp collectives in the stage. Three things needed
-care: MindSpore's PyNative recompute cell (``Cell.recompute()``) re-runs its newest
+interleaved and GPipe keep them in their own order, in PyNative at any tp / cp, and under
+jit (a compiled ``construct``) with or without tp collectives in the stage, but not with
+cp: two ring-attention layers in a kept compiled stage fail to compile ("The pointer
+[func_graph->get_return()] is null"), and with that worked around, the first layer's
+input and q/k/v gradients were wrong (the layers share one cached ring cell whose
+``bprop`` reads its inputs), so ``mode="jit"`` at ``cp > 1`` recomputes. (Ulysses and
+all-gather-KV attention kept exact in a probe; the runtime does not see the method.)
+Three things needed care: MindSpore's PyNative recompute cell (``Cell.recompute()``) re-runs its newest
 forward in each backward, so the runtime lets each marked cell of a kept stage find its
 own forward (:func:`~.stage_fns.any_order_recompute`); a kept compiled forward hands every
 consumer of a ``bprop`` Cell that ran more than once in the graph the output of its last
@@ -38,6 +43,8 @@ Example::
     # ("selective", "1f1b keeps each in-flight micro-batch's stage forward from F to B ...")
     runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)
     # ("none", "1f1b keeps each in-flight micro-batch's stage forward from F to B ...")
+    runtime_recompute("1f1b", "jit", "none", 2, model_parallel=4, context_parallel=2)
+    # ("full", "mode='jit' with context parallelism in the stage (cp=2): ...")
 """
 
 from __future__ import annotations
@@ -75,7 +82,8 @@ def _check(schedule, mode, recompute, pp, virtual_stages) -> None:
 
 
 def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
-                      virtual_stages: int = 1, model_parallel: int = 1) -> tuple:
+                      virtual_stages: int = 1, model_parallel: int = 1,
+                      context_parallel: int = 1) -> tuple:
     """``(what_runs, reason)``: what the pipeline runtime does for this configuration.
 
     Args:
@@ -88,6 +96,8 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         model_parallel: Ranks a stage's forward exchanges data with (``tp * cp * ep *
             etp``; the runtime counts ``fully_shard`` weights as 2): above 1 the stage
             holds collectives (kept as well, in both modes; validated only).
+        context_parallel: The stage's cp ranks (included in ``model_parallel``): above 1
+            a compiled stage recomputes (see below).
 
     Returns:
         ``what_runs``: ``"full"`` (every model stage but the last keeps only its input
@@ -101,15 +111,20 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         * ``recompute="full"``: ``"full"``;
         * one model stage (``pp * virtual_stages == 1``): the request, ``"full"`` read
             as ``"none"`` (loss and gradients in one pass, nothing recomputed);
-        * ``"none"``/``"selective"``, PyNative or jit, any ``model_parallel``: the
-            request (every schedule keeps its forwards and back-propagates them in its
-            own order; see the module docstring for what was measured).
+        * ``"none"``/``"selective"`` in PyNative, and under jit with
+            ``context_parallel == 1`` at any ``model_parallel``: the request (every
+            schedule keeps its forwards and back-propagates them in its own order; see
+            the module docstring for what was measured);
+        * ``"none"``/``"selective"`` under jit with ``context_parallel > 1``: ``"full"``
+            (forced: a kept compiled stage of two ring-attention layers does not compile,
+            measured, see the module docstring).
 
     Raises:
         RecomputeError: an unknown value, or a size < 1.
 
     Example: ``runtime_recompute("1f1b", "pynative", "selective", 8)[0] == "selective"``;
-    ``runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)[0] == "none"``.
+    ``runtime_recompute("1f1b", "jit", "none", 2, model_parallel=2)[0] == "none"``;
+    ``runtime_recompute("1f1b", "jit", "none", 2, 1, 4, context_parallel=2)[0] == "full"``.
     """
     _check(schedule, mode, recompute, pp, virtual_stages)
     if isinstance(model_parallel, bool) or not isinstance(model_parallel, numbers.Integral) \
@@ -117,6 +132,10 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
         raise RecomputeError(f"model_parallel={model_parallel!r} is invalid: expected an integer "
                              ">= 1 (the ranks a stage's forward exchanges data with, tp * cp * ep "
                              "* etp).")
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, numbers.Integral) \
+            or context_parallel < 1:
+        raise RecomputeError(f"context_parallel={context_parallel!r} is invalid: expected an "
+                             "integer >= 1 (the stage's cp ranks).")
     stages = pp * virtual_stages
     if stages == 1:
         what = "none" if recompute == "full" else recompute
@@ -126,6 +145,13 @@ def runtime_recompute(schedule: str, mode: str, recompute: str, pp: int,
     if recompute == "full":
         return "full", ("recompute='full': every model stage but the last keeps its input only "
                         "and recomputes its forward in the backward.")
+    if mode == "jit" and context_parallel > 1:
+        return "full", ("mode='jit' with context parallelism in the stage (cp="
+                        f"{context_parallel}): a kept compiled stage of two ring-attention layers "
+                        "fails to compile on MindSpore 2.10 CPU (and the layers share one ring "
+                        "cell, whose backward then mixes them), so every model stage but the last "
+                        f"recomputes its forward: recompute={recompute!r} is run as 'full'; use "
+                        "mode='pynative' to keep activations.")
     return recompute, (f"{schedule} keeps each in-flight micro-batch's stage forward from F to "
                        f"B (mode={mode!r}; the backwards in the schedule's own order, no forward "
                        f"run again); recompute={recompute!r} runs as asked.")

@@ -134,6 +134,13 @@ def _model_parallel(cells) -> int:
     return n
 
 
+def _context_parallel() -> int:
+    """The manager's cp size (1 without a layout): jit keeps no stage with cp > 1."""
+    from .. import manager
+
+    return manager.get_context_parallel_world_size() if manager.is_initialized() else 1
+
+
 def _pp_group(group):
     if group is not None:
         return C.resolve_group(group)
@@ -221,8 +228,9 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
             micro-batch in flight and recomputes its forward in the backward. ``"none"`` /
             ``"selective"``: keep the stage forwards until their backwards (no second
             forward; the cells the model marks with ``recompute`` still recompute inside),
-            every schedule, in PyNative and under jit, also with tp / cp collectives in
-            the stage; see :func:`~.recompute.runtime_recompute` and
+            every schedule, in PyNative, and under jit also with tp collectives in the
+            stage (with cp > 1 ``mode="jit"`` runs ``"full"``, a ``UserWarning`` once per
+            configuration says so); see :func:`~.recompute.runtime_recompute` and
             :func:`last_recompute`.
         on_chunk_done: Called as ``on_chunk_done(c, params, grads)`` right after chunk
             ``c``'s last backward, when its gradients (``grads``, summed over the
@@ -254,7 +262,8 @@ def forward_backward(stage, inputs, targets, loss_fn, *, schedule: str = "1f1b",
     m, v = len(inputs), len(cells)
     stages = p * v
     what_runs, reason = runtime_recompute(schedule, mode, recompute, p, v,
-                                          _model_parallel(cells) if mode == "jit" else 1)
+                                          _model_parallel(cells) if mode == "jit" else 1,
+                                          context_parallel=_context_parallel())
     keep = what_runs != "full" and p * v > 1
     if recompute != "full" and what_runs == "full" and (schedule, mode, recompute) not in _WARNED:
         _WARNED.add((schedule, mode, recompute))
