@@ -26,16 +26,17 @@ cp: two ring-attention layers in a kept compiled stage fail to compile ("The poi
 input and q/k/v gradients were wrong (the layers share one cached ring cell whose
 ``bprop`` reads its inputs), so ``mode="jit"`` at ``cp > 1`` recomputes. (Ulysses and
 all-gather-KV attention kept exact in a probe; the runtime does not see the method.)
-Three things needed care: MindSpore's PyNative recompute cell (``Cell.recompute()``) re-runs its newest
-forward in each backward, so the runtime lets each marked cell of a kept stage find its
-own forward (:func:`~.stage_fns.any_order_recompute`); a kept compiled forward hands every
-consumer of a ``bprop`` Cell that ran more than once in the graph the output of its last
-call (two tensor-parallel blocks sharing the cached mapping cells: the first block's
-weight gradients wrong, also with one micro-batch in flight and without collectives), so
-compiled mappings copy their output outside the shared cell (``mappings._OwnOutput``, the
-ring attention's output likewise); and ``mindspore.vjp``, used before, runs its pending
-backwards newest-first only. :func:`kept_schedule` (GPipe with newest-first backwards) is
-what the runtime ran with ``vjp``; it is kept as a schedule.
+
+Three things needed care. MindSpore's PyNative recompute cell (``Cell.recompute()``)
+re-runs its newest forward in each backward, so the runtime lets each marked cell of a
+kept stage find its own forward (:func:`~.stage_fns.any_order_recompute`). A kept
+compiled forward hands every consumer of a ``bprop`` Cell that ran more than once in the
+graph the output of its last call (two tensor-parallel blocks sharing the cached mapping
+cells: the first block's weight gradients wrong, also with one micro-batch in flight and
+without collectives), so compiled mappings copy their output outside the shared cell
+(``mappings._OwnOutput``). ``mindspore.vjp``, used before, runs its pending backwards
+newest-first only; :func:`kept_schedule` (GPipe with newest-first backwards) is what the
+runtime ran with it, kept as a schedule.
 
 Example::
 

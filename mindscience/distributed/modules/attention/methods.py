@@ -118,25 +118,14 @@ class _AllGatherKV(nn.Cell):
 
 
 class _RingOutput(nn.Cell):
-    """The ring's output without its log-sum-exp.
-
-    Compiled, the output is copied here, outside the ring's ``bprop`` cell, which the
-    layers of one configuration share: see ``mappings._OwnOutput`` (a kept compiled
-    pipeline stage otherwise gives every consumer the last call's output).
-    """
+    """The ring's output without its log-sum-exp."""
 
     def __init__(self, *args):
         super().__init__()
         self.ring = RingAttention(*args)
-        self.own_output = bool(args[-1])  # compiled
 
     def construct(self, q, k, v):
-        out = self.ring(q, k, v)[0]
-        if not self.own_output:
-            return out
-        if out.dtype == ms.bfloat16:  # no bfloat16 copy kernel in CPU graphs
-            return ops.cast(ops.deepcopy(ops.cast(out, ms.float32)), ms.bfloat16)
-        return ops.deepcopy(out)
+        return self.ring(q, k, v)[0]
 
 
 _CELLS: dict = {}
