@@ -283,11 +283,15 @@ def what_runs(training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
             notes.append(f"zero_stage 3: {fsdp['reason']}{again}; priced so.")
         elif fsdp.get("reason"):
             notes.append(f"zero_stage 3: {str(fsdp['reason']).rstrip('. ')}; priced as it runs.")
-    runtime = Runtime(stage_recompute=stage_recompute, fsdp_units=bool(fsdp["per_unit"]),
-                      fsdp_gathers_per_unit=int(fsdp["gathers_per_unit"]),
-                      # Kept from the forward to the backward, every unit's gathered weights are alive.
-                      fsdp_units_alive=fsdp["units_alive"] if fsdp.get("reshard_after_forward") else None)
-    return training, runtime, notes
+    return training, _runtime(stage_recompute, fsdp), notes
+
+
+def _runtime(stage_recompute: bool, fsdp: dict) -> Runtime:
+    """The :class:`Runtime` of a pipeline answer and an ``fsdp_runtime``-shaped dict."""
+    return Runtime(stage_recompute=stage_recompute, fsdp_units=bool(fsdp["per_unit"]),
+                   fsdp_gathers_per_unit=int(fsdp["gathers_per_unit"]),
+                   # Kept from the forward to the backward, every unit's gathered weights are alive.
+                   fsdp_units_alive=fsdp["units_alive"] if fsdp.get("reshard_after_forward") else None)
 
 
 def _what_runs_compiled(training: TrainingSpec, tp: int, cp: int, pp: int, dp: int, notes: list):
@@ -317,7 +321,4 @@ def _what_runs_compiled(training: TrainingSpec, tp: int, cp: int, pp: int, dp: i
         fsdp["per_unit"] = fsdp["per_unit"] and bool(fsdp["reshard_after_forward"] or fsdp["prefetch"])
         if fsdp.get("reason"):
             notes.append(f"zero_stage 3: {str(fsdp['reason']).rstrip('. ')}; priced so.")
-    runtime = Runtime(stage_recompute=stage_recompute, fsdp_units=bool(fsdp["per_unit"]),
-                      fsdp_gathers_per_unit=int(fsdp["gathers_per_unit"]),
-                      fsdp_units_alive=fsdp["units_alive"] if fsdp.get("reshard_after_forward") else None)
-    return training, runtime, notes
+    return training, _runtime(stage_recompute, fsdp), notes
