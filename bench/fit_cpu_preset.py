@@ -14,8 +14,8 @@ smallest median |log(predicted / measured)| over every measured step it is given
 * ``--recorded FILE``: steps written down with their source, model preset and layout
   (``bench/cpu_preset_steps.json``: the quiet runs the preset was fitted to).
 
-The preset's fit (``--op-us 84``: one rank's step over its operators, nothing shared):
-``python bench/fit_cpu_preset.py --recorded bench/cpu_preset_steps.json --op-us 84``.
+The preset's fit (all three constants free; 23 quiet steps of 2026-12-07, 1, 4 and 8 ranks):
+``python bench/fit_cpu_preset.py --recorded bench/cpu_preset_steps.json``.
 
 The other preset values stay (peak, memory); ``--cores`` is the machine's (2 here).
 Prints the best pair, the median |error|, Spearman's rank correlation and each step.

@@ -40,14 +40,15 @@ DEVICE_PRESETS: dict[str, dict] = {
         "intra_node_latency_us": 10.0, "inter_node_latency_us": 25.0,
         "about": "NVIDIA H200 SXM: 989 TFLOPS bf16, 141 GB HBM3e, NVLink 4, 400 Gb/s NDR InfiniBand per GPU",
     },
-    # Fitted to msdist train's steps on the project's 2-core machine (docs/COST_MODEL.md, "Ranks
-    # sharing cores"): per rank on a core of its own, an operator launch 84 us (one rank's step),
-    # a ring hop 2.4 ms and 4.9 MB/s (the steps of 4 and 8 ranks, divided by ranks / cores).
+    # Fitted to msdist train's quiet steps on the project's 2-core machine (docs/COST_MODEL.md,
+    # "Ranks sharing cores"; bench/cpu_preset_steps.json): per rank on a core of its own, an
+    # operator launch 150 us, a ring hop 150 us and 13 MB/s (1, 4 and 8 ranks, divided by
+    # ranks / cores).
     "cpu": {
-        "peak_tflops": 0.1, "device_memory_gb": 16, "intra_node_gbps": 0.0049, "inter_node_gbps": 0.0049,
-        "intra_node_latency_us": 2400.0, "inter_node_latency_us": 4800.0,
+        "peak_tflops": 0.1, "device_memory_gb": 16, "intra_node_gbps": 0.013, "inter_node_gbps": 0.013,
+        "intra_node_latency_us": 150.0, "inter_node_latency_us": 300.0,
         # Ranks share this machine's cores (local_cores()); each operator costs a launch.
-        "cores_per_node": "local", "op_overhead_us": 84.0,
+        "cores_per_node": "local", "op_overhead_us": 150.0,
         "about": "MindSpore's CPU backend (ranks sharing the machine's cores, collectives over loopback)",
     },
 }

@@ -167,15 +167,35 @@ LAYER_FORWARD_OPS = 24
 EDGE_FORWARD_OPS = 8
 BACKWARD_OPS_PER_FORWARD = 2
 OPTIMIZER_OPS_PER_TENSOR = 12
+# The causal ring (context_parallel_method "ring", cp > 1) runs its attention block by
+# block: the zigzag layout gives each rank two query chunks and cp K/V blocks arrive in
+# turn, so the busiest rank computes 2 * cp blocks a layer, each about thirty operators
+# (slices of the block, scores, mask, online-softmax merge) forward and as many backward
+# (modules/attention/ring.py).
+RING_BLOCK_OPS = 30
+
+
+def ring_block_operators(training: TrainingSpec, cp: int) -> int:
+    """Operators one layer's ring attention launches per direction on the busiest rank.
+
+        >>> ring_block_operators(TrainingSpec(context_parallel_method="ring"), 4)
+        240
+        >>> ring_block_operators(TrainingSpec(context_parallel_method="ulysses"), 4)
+        0
+    """
+    if cp <= 1 or training.context_parallel_method != "ring":
+        return 0
+    return RING_BLOCK_OPS * 2 * cp
 
 
 def step_operators(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
                    stage: int, runtime=None) -> dict:
     """Operators rank ``stage`` launches: ``{"forward", "backward"}`` per micro-batch, ``"optimizer"`` per step.
 
-    A layer's forward launches :data:`LAYER_FORWARD_OPS`, the first and the last stage
-    :data:`EDGE_FORWARD_OPS` more each; the backward :data:`BACKWARD_OPS_PER_FORWARD`
-    per forward operator plus the re-run forwards (:func:`~.comm.recompute_passes`); the
+    A layer's forward launches :data:`LAYER_FORWARD_OPS` (plus, under the causal ring,
+    :func:`ring_block_operators`), the first and the last stage :data:`EDGE_FORWARD_OPS`
+    more each; the backward :data:`BACKWARD_OPS_PER_FORWARD` per forward operator (the
+    ring's blocks once more) plus the re-run forwards (:func:`~.comm.recompute_passes`); the
     optimizer step :data:`OPTIMIZER_OPS_PER_TENSOR` per parameter tensor of the rank.
 
         >>> toy = ModelSpec(num_layers=2, hidden_size=4, num_attention_heads=1, seq_length=8, vocab_size=0)
@@ -185,10 +205,12 @@ def step_operators(model: ModelSpec, training: TrainingSpec, tp: int, cp: int, p
     chunks = model_stage_layers(model, training, pp)
     layers = sum(chunks[stage::pp])
     edges = (stage == 0) + (stage == pp - 1)
-    forward = layers * LAYER_FORWARD_OPS + edges * EDGE_FORWARD_OPS
-    again = recompute_passes(model, training, pp, stage, runtime, chunks) * layers * LAYER_FORWARD_OPS
+    ring = ring_block_operators(training, cp)
+    forward = layers * (LAYER_FORWARD_OPS + ring) + edges * EDGE_FORWARD_OPS
+    again = recompute_passes(model, training, pp, stage, runtime, chunks) * layers * (LAYER_FORWARD_OPS + ring)
     tensors = stage_counts(model, tp, pp, dp * cp, training)[stage][2]
-    return {"forward": forward, "backward": round(BACKWARD_OPS_PER_FORWARD * forward + again),
+    backward = BACKWARD_OPS_PER_FORWARD * (forward - layers * ring) + layers * ring + again
+    return {"forward": forward, "backward": round(backward),
             "optimizer": OPTIMIZER_OPS_PER_TENSOR * tensors}
 
 
