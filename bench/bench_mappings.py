@@ -62,6 +62,13 @@ def _loadavg() -> str:
         return "n/a"
 
 
+def slowest_median(records, key):
+    """Median over steps of the slowest rank's time: ``records`` are the ranks' records of
+    one case, each with a per-step list under ``key``."""
+    n = len(records[0][key])
+    return statistics.median(max(r[key][i] for r in records) for i in range(n))
+
+
 def run_bench_launch(spec, world_size: int, timeout: float, progress_every_s: float = 30):
     """One msrun launch of ``spec`` with bench/ and tests/ on the workers' PYTHONPATH (for
     the spec's check ``modules``: the examples' checks are tests/_examples_checks.py), a

@@ -142,13 +142,8 @@ def overlap_concurrency(ctx, steps: int = 6, mib: int = 16, matmuls: int = 20) -
 
 
 # ----------------------------------------------------------------------------- report
-def _slowest_median(records, key):
-    n = len(records[0][key])
-    return statistics.median(max(r[key][i] for r in records) for i in range(n))
-
-
 def main(argv=None) -> int:
-    from bench_mappings import _loadavg, run_bench_launch
+    from bench_mappings import _loadavg, run_bench_launch, slowest_median
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -185,7 +180,7 @@ def main(argv=None) -> int:
     for stage in sorted({r["stage"] for r in step}):
         for flag in (False, True):
             sel = [r for r in step if r["stage"] == stage and r["overlap"] == flag]
-            fb, op = _slowest_median(sel, "fb_s"), _slowest_median(sel, "opt_s")
+            fb, op = slowest_median(sel, "fb_s"), slowest_median(sel, "opt_s")
             r0 = min(sel, key=lambda r: r["group"])
             n = len(r0["timelines"])
             if flag and n:

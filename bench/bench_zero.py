@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -135,14 +134,8 @@ def zero_step(ctx, model: str = "tiny-gpt", steps: int = 6, warmup: int = 2,
 
 
 # ----------------------------------------------------------------------------- report
-def _slowest_median(records, key):
-    """Median over steps of the slowest rank's time."""
-    n = len(records[0][key])
-    return statistics.median(max(r[key][i] for r in records) for i in range(n))
-
-
 def main(argv=None) -> int:
-    from bench_mappings import _loadavg, run_bench_launch
+    from bench_mappings import _loadavg, run_bench_launch, slowest_median
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -194,7 +187,7 @@ def main(argv=None) -> int:
         base = None
         for stage in sorted({r["stage"] for r in step}):
             sel = [r for r in step if r["stage"] == stage]
-            fb, op = _slowest_median(sel, "fb_s"), _slowest_median(sel, "opt_s")
+            fb, op = slowest_median(sel, "fb_s"), slowest_median(sel, "opt_s")
             total = fb + op
             base = total if base is None else base
             held = max(sum(r["memory"].values()) for r in sel)
