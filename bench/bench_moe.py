@@ -57,6 +57,28 @@ def _init(ep: int):
     return manager
 
 
+def routed_layer(ctx, experts: int, hidden: int, tokens: int, topk: int = 2):
+    """``(manager, layer, x, rng)`` on ep4: a MoELayer whose experts are the identity (the
+    dispatch and combine alone), and this rank's ``tokens x hidden`` input."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import nn
+
+    from mindscience.distributed.moe import MoEConfig, MoELayer
+
+    manager = _init(4)
+    layer = MoELayer(MoEConfig(hidden_size=hidden, num_experts=experts, ffn_hidden_size=8, topk=topk))
+
+    class Identity(nn.Cell):
+        def construct(self, x):
+            return x
+
+    layer.experts = Identity()
+    rng = np.random.default_rng(ctx.rank)
+    x = ms.Tensor(rng.normal(0, 1, (tokens, hidden)).astype(np.float32))
+    return manager, layer, x, rng
+
+
 def _timed(fn, iters, all_runs=False):
     """Median seconds of ``fn`` (outputs read back) over ``iters`` after one warm-up, or
     with ``all_runs`` the list of every run's seconds (the warm-up included)."""
@@ -75,22 +97,11 @@ def _timed(fn, iters, all_runs=False):
 def moe_dispatch(ctx, iters: int = 5, experts: int = 8, hidden: int = 1024, tokens: int = 2048) -> dict:
     import numpy as np
     import mindspore as ms
-    from mindspore import nn, ops
 
-    from mindscience.distributed.moe import MoEConfig, MoELayer
     from mindscience.distributed.moe.comm import all_to_all_experts
 
-    manager = _init(4)
+    manager, layer, x, rng = routed_layer(ctx, experts, hidden, tokens)
     ep = manager.get_expert_model_parallel_group()
-    layer = MoELayer(MoEConfig(hidden_size=hidden, num_experts=experts, ffn_hidden_size=8, topk=2))
-
-    class Identity(nn.Cell):
-        def construct(self, x):
-            return x
-
-    layer.experts = Identity()
-    rng = np.random.default_rng(ctx.rank)
-    x = ms.Tensor(rng.normal(0, 1, (tokens, hidden)).astype(np.float32))
     topk = 2
     real = tokens * topk * hidden * 4
 

@@ -55,28 +55,17 @@ class _Clock:
 def profile_dispatch(ctx, iters: int = 5, experts: int = 8, hidden: int = 1024, tokens: int = 2048) -> dict:
     import numpy as np
     import mindspore as ms
-    from mindspore import nn, ops
+    from mindspore import ops
     from mindspore import dtype as mstype
 
     from mindscience.distributed import collectives as C
-    from mindscience.distributed import manager
-    from mindscience.distributed.moe import MoEConfig, MoELayer
     from mindscience.distributed.moe.comm import all_to_all_experts, all_to_all_v, all_to_all_v_rows
 
-    if manager.is_initialized():
-        manager.destroy_parallel()
-    manager.initialize_parallel(expert_model_parallel_size=4)
-    ep = manager.get_expert_model_parallel_group()
+    from bench_moe import routed_layer
+
     topk = 2
-    layer = MoELayer(MoEConfig(hidden_size=hidden, num_experts=experts, ffn_hidden_size=8, topk=topk))
-
-    class Identity(nn.Cell):
-        def construct(self, x):
-            return x
-
-    layer.experts = Identity()
-    rng = np.random.default_rng(ctx.rank)
-    x = ms.Tensor(rng.normal(0, 1, (tokens, hidden)).astype(np.float32))
+    manager, layer, x, rng = routed_layer(ctx, experts, hidden, tokens, topk)
+    ep = manager.get_expert_model_parallel_group()
     real = ms.Tensor(rng.normal(0, 1, (tokens * topk, hidden)).astype(np.float32))
     E, L, H, n = experts, layer.local_experts, hidden, tokens
     clocks = {"bare": _Clock(), "slots": _Clock(), "sorted": _Clock()}
