@@ -127,6 +127,12 @@ def setup_dp_net(ctx):
     return {"net": _loss_net()}
 
 
+def setup_param_gather(ctx):
+    """dp4, the loss net and two batches of (x, y)."""
+    _init()
+    return {"net": _loss_net(), "batches": [(_tensor((4, 8), 10 + k), _tensor((4, 4), 20 + k)) for k in range(2)]}
+
+
 def setup_finalizer_net(ctx):
     return setup_dp_net(ctx)
 

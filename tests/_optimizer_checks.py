@@ -539,21 +539,26 @@ def _gpt_overlap(stage: int, bucket_size_mb, steps: int) -> dict:
     for flag in (False, True):
         net = GPTModel(cfg, seed=3)
         opt = DistributedOptimizer(net.trainable_params(), lr=LR, zero_stage=stage,
-                                   bucket_size_mb=bucket_size_mb, overlap_grad_reduce=flag)
+                                   bucket_size_mb=bucket_size_mb, overlap_grad_reduce=flag,
+                                   overlap_param_gather=flag)
         for _ in range(steps):
             _, grads = net.forward_backward(ids, ids, 2, mode="pynative", optimizer=opt)
             opt(grads)
+        waits = opt.param_gather_waits()  # the hooks of every forward after the first
+        opt.finish_param_gather()
         out[flag] = ([p.asnumpy() for p in net.trainable_params()], len(opt.overlap_timeline()),
-                     len(opt.buckets))
+                     len(opt.buckets), waits)
     return out
 
 
 @check("optimizer.overlap")
 def overlap(ctx: CheckContext, tp=1, pp=1, stages=(0, 1, 2), steps=2, bucket_size_mb=0,
             gpt=False) -> dict:
-    """``overlap_grad_reduce=True`` against the same step without it, fp32, 2 micro-batches:
-    the weights after ``steps`` steps must be equal bit for bit at every stage in
-    ``stages``. pp == 1: ``opt.overlap_backward`` around the last micro-batch's
+    """``overlap_grad_reduce=True`` and ``overlap_param_gather=True`` (the stage attached
+    with ``attach_param_gather``) against the same step without them, fp32, 2
+    micro-batches: the weights after ``steps`` steps must be equal bit for bit at every
+    stage in ``stages``; ``param_gathers`` counts the weight gathers written by the next
+    forward's hooks and by the final ``finish_param_gather``. pp == 1: ``opt.overlap_backward`` around the last micro-batch's
     ``value_and_grad`` (the earlier sum passed as ``accumulated``); pp > 1: the 1F1B
     pipeline with ``on_chunk_done`` -> ``opt.grads_ready`` (what GPTModel does);
     ``gpt``: also a 1-layer tiny GPTModel through ``forward_backward(optimizer=opt)``.
@@ -575,7 +580,8 @@ def overlap(ctx: CheckContext, tp=1, pp=1, stages=(0, 1, 2), steps=2, bucket_siz
             run = _Run(manager)
             opt = DistributedOptimizer(run.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                                        zero_stage=stage, bucket_size_mb=bucket_size_mb,
-                                       overlap_grad_reduce=flag)
+                                       overlap_grad_reduce=flag, overlap_param_gather=flag)
+            hooked = opt.attach_param_gather(run.stage)
             modes = opt.grad_reduce_overlap("pynative", pp)
             vg = ms.value_and_grad(run.net, None, run.params)
             count = waited = 0
@@ -600,21 +606,27 @@ def overlap(ctx: CheckContext, tp=1, pp=1, stages=(0, 1, 2), steps=2, bucket_siz
                 count += len(opt.overlap_timeline())
                 # the step took the launched results (it waited on each handle)
                 waited += sum("done_s" in row for row in opt.overlap_timeline())
+            gathers = dict(opt.param_gather_waits(), hooked=hooked)
+            opt.finish_param_gather()  # the last step's gathers, before reading the weights
+            gathers["finished"] = opt.param_gather_waits()["finish"]
             weights[flag] = [p.asnumpy() for p in run.params]
-            launched[flag] = (count, waited)
+            launched[flag] = (count, waited, gathers)
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights[False], weights[True]))
         same = all(np.array_equal(a, b) for a, b in zip(weights[False], weights[True]))
         rows.append({"stage": stage, "bitwise_equal": bool(same), "max_abs_diff": diff,
                      "launched": launched[True][0], "waited": launched[True][1],
                      "launched_without": launched[False][0],
+                     "param_gathers": launched[True][2], "param_gathers_without": launched[False][2],
+                     "gather_overlapped": opt.param_gather_overlap("pynative")[0],
                      "overlapped": modes[0], "buckets": len(opt.buckets)})
     rec = {"check": "optimizer.overlap", "group": layout_label(manager.get_layout()),
            "tp": tp, "pp": pp, "rows": rows}
     if gpt:
-        got = _gpt_overlap(1, bucket_size_mb, 1)
+        got = _gpt_overlap(1, bucket_size_mb, 2)
         rec["gpt_bitwise_equal"] = all(np.array_equal(a, b) for a, b in zip(got[False][0], got[True][0]))
         rec["gpt_launched"] = got[True][1]
         rec["gpt_buckets"] = got[True][2]
+        rec["gpt_param_gathers"] = got[True][3]
     rec["seconds"] = round(time.perf_counter() - started, 2)
     rec["passed"] = bool(all(r["bitwise_equal"] and r["launched"] > 0 for r in rows)
                          and rec.get("gpt_bitwise_equal", True))

@@ -703,3 +703,21 @@ def test_bytes_equal_distributed_optimizer_memory_bytes(preset):
             row = stage_rows(workload.model, replace(workload.training, precision=precision, zero_stage=z),
                              1, 1, 1, 1)[0]
             assert got == {k: row[f"{k}_bytes"] for k in ("weights", "gradients", "optimizer")}, (precision, z)
+
+
+def test_overlap_param_gather_is_priced_as_the_library_runs_it():
+    """The library's own rule (optimizer.overlap_rules): PyNative at stages 1-2 launches the
+    weights' gathers for the next forward (priced overlapped, a note for compiled mode);
+    compiled it gathers in the step (priced exposed, said so); stage 0 and one rank: nothing."""
+    priced, _, notes = what_runs(TrainingSpec(zero_stage=1, overlap_param_gather=True), 1, 1, 1, 4)
+    assert priced.overlap_param_gather is True
+    said = [n for n in notes if "all-gather" in n]
+    assert len(said) == 1 and said[0].startswith("compiled mode: the updated weights' all-gather is priced "
+                                                 "overlapped with the next forward")
+    priced, _, notes = what_runs(TrainingSpec(zero_stage=2, overlap_param_gather=True), 1, 1, 1, 4, mode="jit")
+    assert priced.overlap_param_gather is False
+    assert any(n.startswith("training.overlap_param_gather: compiled: the updated weights' all-gather is part "
+                            "of the step's graph") for n in notes), notes
+    for z, dp in ((0, 4), (1, 1)):
+        priced, _, notes = what_runs(TrainingSpec(zero_stage=z, overlap_param_gather=True), 1, 1, 1, dp)
+        assert priced.overlap_param_gather is False and not any("overlap_param_gather" in n for n in notes)

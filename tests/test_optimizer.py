@@ -51,8 +51,11 @@ def test_overlap_rules_say_what_runs():
     assert "reduce-scatter" in grad_reduce_overlap("pynative", 2)[1]
     assert "all-reduce" in grad_reduce_overlap("pynative", 0)[1]
     assert "compiled graph" in grad_reduce_overlap("jit", 1)[1]
-    assert all(param_gather_overlap(m, z)[0] is False for m in ("pynative", "jit") for z in range(4))
-    assert "not implemented" in param_gather_overlap("pynative", 1)[1]
+    assert [(m, z) for m in ("pynative", "jit") for z in range(4) if param_gather_overlap(m, z)[0]] == [
+        ("pynative", 1), ("pynative", 2)]
+    assert "forward waits on a bucket" in param_gather_overlap("pynative", 1)[1]
+    assert "part of the step's graph" in param_gather_overlap("jit", 2)[1]
+    assert "no all-gather of updated weights" in param_gather_overlap("pynative", 3)[1]
     assert [main_weight_bytes(w, z) for w in (2, 4) for z in range(4)] == [4, 4, 4, 4, 0, 0, 0, 0]
     for bad in (lambda: grad_reduce_overlap("graph", 0), lambda: grad_reduce_overlap("jit", 4),
                 lambda: grad_reduce_overlap("jit", 0, 0), lambda: main_weight_bytes(0, 1)):
@@ -433,9 +436,21 @@ def test_4ranks_overlapped_grad_reduce_equals_the_plain_step_bit_for_bit(job):
             assert row["overlapped"] is True and row["launched"] > 0, (r["group"], row)
             assert row["waited"] == row["launched"], (r["group"], row)  # the step used them
             assert row["launched_without"] == 0
+            # overlap_param_gather: at stages 1-2 every bucket's weight gather of the first
+            # step was written by a forward pre-hook of the second step's forward, the
+            # second step's by the final finish; stage 0 gathers nothing.
+            gathers, stage = row["param_gathers"], row["stage"]
+            assert row["param_gathers_without"]["hook"] == row["param_gathers_without"]["finish"] == 0
+            if stage in (1, 2):
+                assert row["gather_overlapped"] is True and gathers["hooked"] > 0, (r["group"], row)
+                assert gathers["hook"] == row["buckets"] and gathers["finish"] == 0, (r["group"], row)
+                assert gathers["finished"] == row["buckets"], (r["group"], row)
+            else:
+                assert gathers == {"hook": 0, "finish": 0, "hooked": 0, "finished": 0}, (r["group"], row)
         assert r["passed"], r
         if r["tp"] == 1 and r["pp"] == 1:
             assert r["gpt_bitwise_equal"] and 0 < r["gpt_launched"] <= r["gpt_buckets"], r
+            assert r["gpt_param_gathers"]["hook"] == r["gpt_buckets"], r
     # tp2: the sequence-parallel layernorms are summed over tp first, in the step.
     tp2 = [row for r in records if r["tp"] == 2 for row in r["rows"]]
     assert all(row["launched"] < 2 * row["buckets"] for row in tp2)

@@ -435,6 +435,14 @@ def _stage(cell, directory, step, extra, copy: bool, buffers: Optional[dict] = N
             "step": step, "extra": extra, "prefixes": prefixes, "records": records}
 
 
+def _weights_current() -> None:
+    """Write the weights of any optimizer step whose all-gathers are still in flight
+    (``overlap_param_gather``): the parameters read or loaded here are then current."""
+    from ..optimizer.overlap import finish_param_gathers
+
+    finish_param_gathers()
+
+
 def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] = None) -> str:
     """Save ``cell``'s parameters (all ranks call it) as a checkpoint directory.
 
@@ -463,6 +471,7 @@ def save(cell, directory, *, step: Optional[int] = None, extra: Optional[dict] =
         CheckpointError: a bad ``step`` or ``extra``; an optimizer state that cannot be
             attributed (see :func:`named_parameters`); a failure on any rank.
     """
+    _weights_current()
     from .manifest import partial_dir
 
     staged = _stage(cell, directory, step, extra, copy=False)
@@ -573,6 +582,7 @@ def save_async(cell, directory, *, step: Optional[int] = None, extra: Optional[d
         host_buffers: A dict kept between saves (one in flight at a time): the host copy
             goes into the previous save's arrays of the same name, shape and dtype.
     """
+    _weights_current()
     import os
     import threading
     import time
@@ -714,6 +724,7 @@ def load(cell, directory, *, strict: bool = True) -> dict:
             (``strict``); a global shape the current layout cannot split; a local shape
             that does not match.
     """
+    _weights_current()
     layout, rank = _world()
     error, values, mains = None, [], []
     names_all: list = []

@@ -180,6 +180,9 @@ class _Head(nn.Cell):
     def __init__(self, final_norm, table, tp, sequence_parallel: bool):
         super().__init__(auto_prefix=False)
         self.final_norm, self.table = final_norm, table
+        # It reads table.weight without calling table: whoever waits on the weights
+        # before a cell runs (DistributedOptimizer.attach_param_gather) must wait here.
+        self.reads_parameters_of = (table,)
         self.tp = tp
         self.gather = tp.size > 1 and sequence_parallel
         self.copy = tp.size > 1 and not sequence_parallel
@@ -378,7 +381,11 @@ class GPTModel(nn.Cell):
                 during the backward (PyNative: from gradient hooks during the last
                 micro-batch's; pp > 1: after each chunk's last backward) and the
                 optimizer call waits on it; see ``optimizer.grad_reduce_overlap(mode,
-                pp)``. The returned gradients are the same either way.
+                pp)``. With its ``overlap_param_gather=True`` (stages 1-2, PyNative) the
+                model is attached (``optimizer.attach_param_gather``): the optimizer's
+                weight gathers are waited on by this forward, layer by layer; in
+                ``mode="jit"`` they are finished first. The returned gradients are the
+                same either way.
 
         Returns:
             ``(loss, grads)``: the mean loss over the tokens of ``input_ids`` (a float32
@@ -399,6 +406,13 @@ class GPTModel(nn.Cell):
         ts = [ms.Tensor(a) for a in np.split(tgt, m, axis=1)]
         params = self.trainable_params()
         self._last_microbatches = m
+        if optimizer is not None and getattr(optimizer, "overlap_param_gather", False):
+            # The last step's weights: gathered by this forward's pre-hooks (PyNative) or
+            # now (a compiled forward runs no hooks).
+            if optimizer.param_gather_overlap(mode)[0]:
+                optimizer.attach_param_gather(self)
+            else:
+                optimizer.finish_param_gather()
         overlap = None
         if optimizer is not None and getattr(optimizer, "overlap_grad_reduce", False) \
                 and optimizer.grad_reduce_overlap(mode, self.pp.size)[0]:

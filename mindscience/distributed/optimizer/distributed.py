@@ -160,9 +160,12 @@ class DistributedOptimizer(nn.Cell):
             :meth:`grad_reduce_overlap` says what overlaps in a mode. Same results bit
             for bit. Not with MoE expert weights (reduced in the step).
         overlap_param_gather: Overlap the all-gather of the updated weights (stages 1-2)
-            with the next forward (keyword-only). Accepted, not implemented:
-            :func:`.overlap_rules.param_gather_overlap` says so; the weights are gathered
-            at the end of the step.
+            with the next forward (keyword-only): in PyNative, once a model is attached
+            (:meth:`attach_param_gather`; ``GPTModel.forward_backward(...,
+            optimizer=opt)`` attaches itself), the step launches each bucket's all-gather
+            and returns, and the next forward waits on each bucket as the first layer using
+            it starts. Same weights bit for bit. Compiled steps and MoE expert weights
+            gather in the step (:meth:`param_gather_overlap` says what overlaps).
 
     Inputs:
         grads: Tuple of gradients, one per parameter, shaped like it, in its dtype or
@@ -397,6 +400,13 @@ class DistributedOptimizer(nn.Cell):
         self.overlap_param_gather = bool(param_gather)
         self._use_launched = False  # True only inside an eager step with launched buckets
         self._overlap = None
+        self._param_gather = None
+        self._defer_gather = False  # True only inside an eager step whose gathers are deferred
+        if (self.overlap_param_gather and self.stage in (1, 2) and self.d > 1 and self.comm
+                and self.expert_optimizer is None):
+            from .overlap import ParamGather
+
+            self._param_gather = ParamGather(self)
         if not (self.overlap_grad_reduce and self.comm and self.expert_optimizer is None):
             return
         from .overlap import GradOverlap
@@ -422,6 +432,61 @@ class DistributedOptimizer(nn.Cell):
         if self.stage < 3 and not self.comm:
             return False, "the dp-cp group has one rank: there is no reduction to overlap."
         return overlap_rules.grad_reduce_overlap(mode, self.stage, pp)
+
+    def param_gather_overlap(self, mode: str) -> tuple:
+        """``(overlapped, sentence)``: does this optimizer's all-gather of the updated weights
+        overlap the next forward in ``mode``? :func:`.overlap_rules.param_gather_overlap`, or
+        why this optimizer does not (the option off, a group of one rank, MoE expert weights)."""
+        if not self.overlap_param_gather:
+            return False, "overlap_param_gather=False: the weights are gathered in the step."
+        if self.expert_optimizer is not None:
+            return False, "MoE expert weights: the optimizer gathers the weights in the step."
+        if self.stage in (1, 2) and not (self.comm and self.d > 1):
+            return False, "the dp-cp group has one rank: there is no all-gather to overlap."
+        return overlap_rules.param_gather_overlap(mode, self.stage)
+
+    def attach_param_gather(self, cell) -> int:
+        """Let the next forward of ``cell`` wait for the updated weights bucket by bucket.
+
+        With ``overlap_param_gather`` at stages 1-2 (PyNative), the step launches each
+        bucket's all-gather and returns; a forward pre-hook on every sub-cell of ``cell``
+        that owns one of this optimizer's parameters waits on its bucket and writes the
+        weights just before the sub-cell runs (a sub-cell that reads another cell's weight
+        without calling it lists that cell in its ``reads_parameters_of`` attribute, as
+        GPTModel's output head does). Without an attached cell the step gathers
+        before it returns, as without the option. ``GPTModel.forward_backward(...,
+        optimizer=opt)`` attaches the model itself. Until that forward, the parameters
+        hold the previous step's weights: call :meth:`finish_param_gather` before reading
+        them in any other way (the next step and ``checkpoint.save``/``load`` do; a
+        compiled forward does not run the hooks, so finish before one)::
+
+            opt.attach_param_gather(net)
+            for x, y in batches:
+                loss, grads = grad_fn(x, y)     # waits on each bucket as its layer starts
+                opt(grads)                      # launches the gathers and returns
+            opt.finish_param_gather()           # the last step's weights, written
+
+        Args:
+            cell: The model (or stage) whose forward uses the parameters.
+
+        Returns:
+            How many sub-cells are hooked (0 when nothing is deferred: the option off, stage
+            0 or 3, one rank).
+        """
+        if self._param_gather is None:
+            return 0
+        return self._param_gather.attach(cell)
+
+    def finish_param_gather(self) -> None:
+        """Wait on every launched weight all-gather and write the weights (a no-op when
+        none is in flight; see :meth:`attach_param_gather`)."""
+        if self._param_gather is not None:
+            self._param_gather.finish()
+
+    def param_gather_waits(self) -> dict:
+        """``{"hook": n, "finish": n}``: buckets of launched weight gathers written so far by
+        a forward pre-hook and by :meth:`finish_param_gather` (all zero without deferral)."""
+        return dict(self._param_gather.waited) if self._param_gather is not None else {"hook": 0, "finish": 0}
 
     @contextlib.contextmanager
     def overlap_backward(self, accumulated: Optional[Mapping] = None):
@@ -542,7 +607,14 @@ class DistributedOptimizer(nn.Cell):
             check_grads(grads, self.shapes, self.dtype_names,
                         [_dtype_name(getattr(g, "dtype", None)) for g in grads]
                         if isinstance(grads, (tuple, list)) else ())
-            if self._overlap is not None:
+            if self._param_gather is not None:
+                # The last step's weights first (a step without a forward between); then
+                # this step's gathers are launched, not waited on, when a forward will.
+                self._param_gather.finish()
+                self._defer_gather = self._param_gather.attached
+            try:
+                if self._overlap is None:
+                    return super().__call__(*args, **kwargs)
                 # Eager step after a backward that launched buckets: take their results.
                 self._use_launched = self._overlap.pending()
                 try:
@@ -550,6 +622,8 @@ class DistributedOptimizer(nn.Cell):
                 finally:
                     self._use_launched = False
                     self._overlap.finish()
+            finally:
+                self._defer_gather = False
         return super().__call__(*args, **kwargs)
 
     def construct(self, grads):
@@ -739,7 +813,13 @@ class DistributedOptimizer(nn.Cell):
         done = []
         if self.stage in (1, 2) and self.d > 1:
             for b in range(len(self.buckets)):
-                done.append(self._gather(new, self.buckets[b]))
+                if self._defer_gather and not compiling():
+                    # overlap_param_gather: launched here, written by the next forward.
+                    flat = self._bucket_flat(new, self.buckets[b])
+                    self._param_gather.launch(b, flat)
+                    done.append(flat)
+                else:
+                    done.append(self._gather(new, self.buckets[b]))
         else:
             for i in range(self.num_params):
                 done.append(self._assign(i, new[i]))
@@ -755,8 +835,8 @@ class DistributedOptimizer(nn.Cell):
             return self.model_params[i].copy_(value)
         return ops.assign(self.model_params[i], value)
 
-    def _gather(self, new, bucket):
-        """All-gather the bucket's updated shards (model dtype) into its parameters."""
+    def _bucket_flat(self, new, bucket):
+        """This rank's updated shards of the bucket, flat, in the model dtype."""
         dtype = self.param_dtypes[bucket.members[0]]
         if compiling() and dtype == mstype.bfloat16:
             # CPU graph kernels of Reshape/Split lack bfloat16; the cast back is exact.
@@ -764,8 +844,15 @@ class DistributedOptimizer(nn.Cell):
         parts = []
         for i in bucket.members:
             parts.append(ops.cast(new[i], dtype).reshape((-1,)))
-        flat = parts[0] if len(parts) == 1 else ops.cat(parts, 0)
-        full = self._kernel().all_gather(flat, 0).reshape((self.d, bucket.chunk))
+        return parts[0] if len(parts) == 1 else ops.cat(parts, 0)
+
+    def _gather(self, new, bucket):
+        """All-gather the bucket's updated shards (model dtype) into its parameters."""
+        full = self._kernel().all_gather(self._bucket_flat(new, bucket), 0)
+        return self._write_gathered(full.reshape((self.d, bucket.chunk)), bucket)
+
+    def _write_gathered(self, full, bucket):
+        """Write the bucket's gathered shards, ``full`` (d, chunk), into its parameters."""
         cols = (full,) if len(bucket.members) == 1 else ops.split(full, bucket.sections, 1)
         done = []
         for j in range(len(bucket.members)):

@@ -20,6 +20,7 @@ order and the same on every rank of the group (they run the same model stage).
 from __future__ import annotations
 
 import time
+import weakref
 
 from mindspore import mint, ops
 from mindspore.mint import distributed as md
@@ -27,7 +28,7 @@ from mindspore.mint import distributed as md
 from .. import collectives as C
 from .. import counters
 
-__all__ = ["GradOverlap"]
+__all__ = ["GradOverlap", "ParamGather", "finish_param_gathers"]
 
 
 class GradOverlap:
@@ -163,3 +164,96 @@ class GradOverlap:
         self.launched = {}
         self.ready = {}
 
+
+
+# A weak set of the ParamGather instances with gathers in flight: checkpoint.save finishes
+# them before it reads the parameters (it sees the cell, not the optimizer).
+_IN_FLIGHT: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def finish_param_gathers() -> None:
+    """Wait on every optimizer's launched weight all-gathers and write the weights
+    (``overlap_param_gather``); the parameters are current afterwards. Cheap when none."""
+    for gather in list(_IN_FLIGHT):
+        gather.finish()
+
+
+class ParamGather:
+    """The updated weights' all-gather, launched at the end of the step (stages 1-2,
+    ``overlap_param_gather``, PyNative) and waited on bucket by bucket by the next forward.
+
+    The step launches each bucket's all-gather asynchronously
+    (``mindspore.mint.distributed.all_gather(..., async_op=True)``) instead of gathering
+    and writing the parameters before it returns. A forward pre-hook on every cell that
+    owns a parameter of a launched bucket (:meth:`attach`) waits on that bucket and writes
+    its parameters just before the cell runs, so the later buckets' gathers proceed while
+    the earlier layers compute (Megatron's ``--overlap-param-gather``). The values are the
+    synchronous gather's bit for bit: the same flat buffer, gathered, split and cast
+    alike. Anything that reads the parameters otherwise must call :meth:`finish` first
+    (the next step does, ``checkpoint.save`` does through :func:`finish_param_gathers`).
+
+    Args:
+        opt: The :class:`~.distributed.DistributedOptimizer` (its buckets, group, write-back).
+    """
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.bucket_of = {}
+        for b, bucket in enumerate(opt.buckets):
+            for i in bucket.members:
+                self.bucket_of.setdefault(opt.model_params[i].name, set()).add(b)
+        self.pending = {}       # bucket -> (handle, parts)
+        self.hooks = {}         # id(cell) -> (cell, hook handle)
+        self.waited = {"hook": 0, "finish": 0}
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.hooks)
+
+    def attach(self, cell) -> int:
+        """Hook the cells of ``cell`` that own this optimizer's parameters, or read them
+        without calling their owner (listed in the cell's ``reads_parameters_of``), each
+        cell once; returns how many cells are hooked in all."""
+        for _, sub in cell.cells_and_names():
+            if id(sub) in self.hooks:
+                continue
+            own = [p.name for p in sub.parameters_dict(recurse=False).values()]
+            # A cell that reads another cell's weight without calling it names that cell.
+            for other in getattr(sub, "reads_parameters_of", ()):
+                own += [p.name for p in other.get_parameters()]
+            buckets = sorted(set().union(*[self.bucket_of.get(n, set()) for n in own])) if own else []
+            if buckets:
+                self.hooks[id(sub)] = (sub, sub.register_forward_pre_hook(self._hook(tuple(buckets))))
+        return len(self.hooks)
+
+    def detach(self) -> None:
+        for _, handle in self.hooks.values():
+            handle.remove()
+        self.hooks = {}
+
+    def _hook(self, buckets):
+        def hook(cell, inputs):
+            if self.pending:
+                self.finish(buckets, "hook")
+        return hook
+
+    def launch(self, b, flat) -> None:
+        """Start bucket ``b``'s all-gather of this rank's ``flat`` updated shards."""
+        parts = [mint.empty(flat.shape, dtype=flat.dtype) for _ in range(self.opt.d)]
+        counters.count()
+        handle = md.all_gather(parts, flat.contiguous(), group=self.opt.k_eager.group_name, async_op=True)
+        self.pending[b] = (handle, parts)
+        _IN_FLIGHT.add(self)
+
+    def finish(self, buckets=None, why: str = "finish") -> None:
+        """Wait on ``buckets`` (default: every launched one) and write their parameters."""
+        for b in (sorted(self.pending) if buckets is None else buckets):
+            entry = self.pending.pop(b, None)
+            if entry is None:
+                continue
+            handle, parts = entry
+            handle.wait()
+            self.opt._write_gathered(ops.stack(parts, 0), self.opt.buckets[b])
+            self.waited[why] += 1
+        if not self.pending:
+            _IN_FLIGHT.discard(self)
