@@ -266,9 +266,11 @@ def what_runs(training: TrainingSpec, tp: int, cp: int, pp: int, dp: int,
         runs, why = param_gather_overlap(PRICED_MODE, z) if d > 1 and z in (1, 2) else (False, "")
         if d > 1 and z in (1, 2) and not runs:
             notes.append(f"training.overlap_param_gather: {why.rstrip('. ')}; priced as not overlapped.")
-        elif runs and not param_gather_overlap("jit", z)[0]:
-            notes.append("compiled mode: the updated weights' all-gather is priced overlapped with the next "
-                         f"forward, as PyNative runs it; compiled: {param_gather_overlap('jit', z)[1].rstrip('. ')}.")
+        elif runs:
+            compiled, compiled_why = param_gather_overlap("jit", z)
+            if not compiled:
+                notes.append("compiled mode: the updated weights' all-gather is priced overlapped with the next "
+                             f"forward, as PyNative runs it; compiled: {compiled_why.rstrip('. ')}.")
         if not runs:
             training = replace(training, overlap_param_gather=False)
     if _compiled_differs(training, tp, cp, pp, stage_recompute):
@@ -313,11 +315,12 @@ def _what_runs_compiled(training: TrainingSpec, tp: int, cp: int, pp: int, dp: i
         if not runs:
             notes.append(f"training.overlap_grad_reduce: {why.rstrip('. ')}; priced as not overlapped.")
             training = replace(training, overlap_grad_reduce=False)
-    if training.overlap_param_gather and not (d > 1 and z in (1, 2) and param_gather_overlap("jit", z)[0]):
-        if d > 1 and z in (1, 2):
-            why = param_gather_overlap("jit", z)[1]
+    if training.overlap_param_gather:
+        runs, why = param_gather_overlap("jit", z) if d > 1 and z in (1, 2) else (False, "")
+        if d > 1 and z in (1, 2) and not runs:
             notes.append(f"training.overlap_param_gather: {why.rstrip('. ')}; priced as not overlapped.")
-        training = replace(training, overlap_param_gather=False)
+        if not runs:
+            training = replace(training, overlap_param_gather=False)
     fsdp = {"per_unit": False, "gathers_per_unit": 1, "units_alive": None, "reshard_after_forward": False}
     if z == 3 and d > 1:
         fsdp = fsdp_runtime("jit", training.reshard_after_forward, training.fsdp_prefetch)

@@ -165,7 +165,6 @@ class GradOverlap:
         self.ready = {}
 
 
-
 # A weak set of the ParamGather instances with gathers in flight: checkpoint.save finishes
 # them before it reads the parameters (it sees the cell, not the optimizer).
 _IN_FLIGHT: "weakref.WeakSet" = weakref.WeakSet()
@@ -198,12 +197,10 @@ class ParamGather:
 
     def __init__(self, opt):
         self.opt = opt
-        self.bucket_of = {}
-        for b, bucket in enumerate(opt.buckets):
-            for i in bucket.members:
-                self.bucket_of.setdefault(opt.model_params[i].name, set()).add(b)
+        self.bucket_of = {opt.model_params[i].name: b for b, bucket in enumerate(opt.buckets)
+                          for i in bucket.members}
         self.pending = {}       # bucket -> (handle, parts)
-        self.hooks = {}         # id(cell) -> (cell, hook handle)
+        self.hooks = {}         # id(cell) -> (cell, hook handle): the cell kept alive with its id
         self.waited = {"hook": 0, "finish": 0}
 
     @property
@@ -221,15 +218,10 @@ class ParamGather:
             # A cell that reads another cell's weight without calling it names that cell.
             for other in getattr(sub, "reads_parameters_of", ()):
                 own += [p.name for p in other.get_parameters()]
-            buckets = sorted(set().union(*[self.bucket_of.get(n, set()) for n in own])) if own else []
+            buckets = sorted({self.bucket_of[n] for n in own if n in self.bucket_of})
             if buckets:
                 self.hooks[id(sub)] = (sub, sub.register_forward_pre_hook(self._hook(tuple(buckets))))
         return len(self.hooks)
-
-    def detach(self) -> None:
-        for _, handle in self.hooks.values():
-            handle.remove()
-        self.hooks = {}
 
     def _hook(self, buckets):
         def hook(cell, inputs):
